@@ -1,0 +1,5 @@
+"""`python -m ddp_cli` (and `torchrun -m ddp_cli train ...`) run the CLI."""
+
+from ddp_cli.cli import main
+
+main()

@@ -1,0 +1,144 @@
+"""What each command does, without Typer: resolve inputs, launch workers, return results."""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ddp_cli.config import RunConfig, config_from_dict, load_config
+from ddp_cli.data.layouts import IndexTable, build_index
+from ddp_cli.distributed.launch import LaunchOptions, external_launcher, launch, resolve_nproc
+from ddp_cli.distributed.setup import setup
+from ddp_cli.distributed.worker import run_job
+from ddp_cli.errors import ConfigError, WorkerFailed
+from ddp_cli.jobs import Job, prepare_job, read_result
+from ddp_cli.models import build_model, count_parameters
+from ddp_cli.registry import DatasetEntry, load_registry
+from ddp_cli.train.checkpoint import load_checkpoint
+from ddp_cli.train.schedules import lr_factor
+
+
+def resolve_dataset(
+    cfg: RunConfig, registry: str | None, classes: list[str] | None = None, splits=("train", "val")
+) -> tuple[DatasetEntry, IndexTable]:
+    """Registry entry and index table (built once per run, here in the launcher)."""
+    entry = load_registry(registry).get(cfg.data.dataset)
+    fs, root = entry.open()
+    index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits)
+    for split, frame in index.splits.items():
+        if frame.empty:
+            raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "
+                              "(check data.classes and the root)")
+    return entry, index
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    return Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def resume_from(resume: str, run_dir: Path) -> str | None:
+    if resume == "never":
+        return None
+    if resume == "auto":
+        last = run_dir / "checkpoints" / "last.pt"
+        return str(last) if last.is_file() else None
+    if not Path(resume).is_file():
+        raise ConfigError(f"--resume {resume}: no such checkpoint; use auto, never or a .pt path")
+    return resume
+
+
+def train(config: Path, overrides: list[str], registry: str | None, run_dir: Path | None,
+          opts: LaunchOptions, resume: str, quiet: bool) -> dict[str, Any]:
+    cfg = load_config(config, overrides)
+    if external_launcher():
+        return train_under_torchrun(cfg, registry, run_dir, resume, quiet)
+    entry, index = resolve_dataset(cfg, registry)
+    run_dir = (run_dir or default_run_dir(cfg)).resolve()
+    nproc = resolve_nproc(opts, cfg.distributed)
+    checkpoint = resume_from(resume, run_dir)
+    prepare_job(run_dir, cfg, entry, index, Job("train", quiet, checkpoint))
+    launch(run_dir, nproc, opts, cfg.distributed)
+    return read_result(run_dir)
+
+
+def train_under_torchrun(cfg: RunConfig, registry: str | None, run_dir: Path | None,
+                         resume: str, quiet: bool) -> dict[str, Any]:
+    """Started by an external torchrun: rank 0 prepares the run dir, every rank trains."""
+    ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
+    folder = [None]
+    if ctx.is_main:
+        entry, index = resolve_dataset(cfg, registry)
+        folder[0] = str((run_dir or default_run_dir(cfg)).resolve())
+        checkpoint = resume_from(resume, Path(folder[0]))
+        prepare_job(Path(folder[0]), cfg, entry, index, Job("train", quiet, checkpoint))
+    dist.broadcast_object_list(folder, src=0)
+    code = run_job(Path(folder[0]))
+    if code:
+        raise WorkerFailed("", code)
+    return read_result(Path(folder[0])) if ctx.is_main else {}
+
+
+def plan(config: Path, overrides: list[str], registry: str | None,
+         opts: LaunchOptions) -> dict[str, Any]:
+    """--dry-run: everything `train` would do up to starting workers."""
+    cfg = load_config(config, overrides)
+    entry, index = resolve_dataset(cfg, registry)
+    nproc = resolve_nproc(opts, cfg.distributed)
+    world = nproc * opts.nnodes
+    global_batch = world * cfg.data.batch_size * cfg.train.grad_accum
+    train_images = len(index.splits["train"])
+    steps = train_images // world // cfg.data.batch_size // cfg.train.grad_accum
+    if cfg.train.max_steps_per_epoch:
+        steps = min(steps, cfg.train.max_steps_per_epoch)
+    lr = cfg.optim.effective_lr(global_batch)
+    factor = lr_factor(cfg.schedule, max(steps, 1), max(steps, 1) * cfg.train.epochs)
+    preview = {f"epoch {e}": lr * factor(e * steps) for e in
+               sorted({0, 1, cfg.train.epochs // 4, cfg.train.epochs // 2, cfg.train.epochs - 1})}
+    return {
+        "name": cfg.name,
+        "dataset": entry.name,
+        "classes": len(index.classes),
+        "splits": {s: len(f) for s, f in index.splits.items()},
+        "model": cfg.model.name,
+        "parameters": count_parameters(build_model(cfg.model, len(index.classes))),
+        "world_size": world,
+        "nproc_per_node": nproc,
+        "global_batch": global_batch,
+        "steps_per_epoch": steps,
+        "epochs": cfg.train.epochs,
+        "lr": lr,
+        "lr_schedule": preview,
+    }
+
+
+def validate(checkpoint: Path, config: Path | None, dataset: str | None, registry: str | None,
+             opts: LaunchOptions, batch_size: int | None, quiet: bool) -> dict[str, Any]:
+    """Evaluate a checkpoint on the whole val split with any number of workers."""
+    state = load_checkpoint(checkpoint)
+    cfg = load_config(config) if config else config_from_dict(state["config"], str(checkpoint))
+    if batch_size:
+        cfg.data.batch_size = batch_size
+    if dataset or registry:
+        cfg.data.dataset = dataset or cfg.data.dataset
+        entry, index = resolve_dataset(cfg, registry, state["classes"], splits=("val",))
+    else:
+        entry = DatasetEntry.model_validate(state["dataset"])
+        fs, root = entry.open()
+        index = build_index(fs, root, entry.layout, state["classes"], splits=("val",))
+    with tempfile.TemporaryDirectory(prefix="ddp-validate-") as tmp:
+        job_dir = Path(tmp)
+        prepare_job(job_dir, cfg, entry, index, Job("validate", quiet, str(Path(checkpoint).resolve())))
+        launch(job_dir, resolve_nproc(opts, cfg.distributed), opts, cfg.distributed)
+        return read_result(job_dir)
+
+
+def datasets_list(registry: str | None) -> list[dict[str, Any]]:
+    return [
+        {"name": d.name, "driver": d.storage.driver, "path": d.storage.path,
+         "layout": d.layout, "description": d.description}
+        for d in load_registry(registry).datasets
+    ]

@@ -1,0 +1,212 @@
+"""The run config: typed TOML sections, every key described, unknown keys refused.
+
+`load_config(path, overrides)` is the only way in; every mistake becomes a
+`ConfigError` naming the file and the key (`section.key: message`).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+
+from ddp_cli.errors import ConfigError, did_you_mean
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    dataset: str = Field("demo", description="Name of a data set in the registry (data.toml).")
+    classes: int | list[str] | None = Field(
+        None,
+        description="Class subset: the first N classes, or a list of synsets/class names "
+        "(relabelled 0..k-1). Unset = every class.",
+    )
+    image_size: int = Field(224, ge=8, description="Side of the square training crop, pixels.")
+    val_resize: int = Field(
+        256, ge=8, description="Validation: resize the shorter side to this, then center-crop."
+    )
+    batch_size: int = Field(32, ge=1, description="Images per worker per micro-step.")
+    workers: int = Field(4, ge=0, description="DataLoader processes per worker (0 = in-process).")
+    prefetch_factor: int = Field(2, ge=1, description="Batches each loader process keeps ready.")
+    on_bad_image: Literal["error", "skip"] = Field(
+        "error", description='"error": stop every rank (exit 3) naming the file; '
+        '"skip": replace it by another sample and count it.',
+    )
+    min_crop_scale: float = Field(
+        0.08, gt=0, le=1, description="Smallest area fraction of RandomResizedCrop."
+    )
+    hflip: bool = Field(True, description="Random horizontal flips in training.")
+
+
+class ModelConfig(Section):
+    name: str = Field("resnet18", description="A torchvision classification model or 'resnet_tiny'.")
+    channels_last: bool = Field(False, description="NHWC memory format (faster convs on CPU/GPU).")
+    sync_batchnorm: bool = Field(False, description="Synchronise BatchNorm statistics across ranks.")
+
+
+class OptimConfig(Section):
+    name: Literal["sgd", "adamw"] = Field("sgd", description="Optimiser.")
+    lr: float | None = Field(None, gt=0, description="Absolute learning rate (overrides lr_per_256).")
+    lr_per_256: float = Field(
+        0.1, gt=0, description="Learning rate per 256 images of global batch "
+        "(world size x batch x grad_accum); used when lr is unset.",
+    )
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    nesterov: bool = Field(False, description="Nesterov momentum for SGD.")
+    weight_decay: float = Field(1e-4, ge=0, description="L2 weight decay.")
+    decay_norm_and_bias: bool = Field(
+        False, description="Also decay BatchNorm/LayerNorm weights and biases."
+    )
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
+
+    def effective_lr(self, global_batch: int) -> float:
+        return self.lr if self.lr is not None else self.lr_per_256 * global_batch / 256
+
+
+class ScheduleConfig(Section):
+    name: Literal["constant", "step", "multistep", "cosine", "poly", "onecycle"] = Field(
+        "cosine", description="LR schedule, stepped every optimisation step."
+    )
+    warmup_epochs: float = Field(0, ge=0, description="Linear warmup from 0, in epochs.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup in steps (overrides warmup_epochs).")
+    step_epochs: float = Field(30, gt=0, description="step: multiply by gamma every this many epochs.")
+    milestones: list[float] = Field(
+        [30, 60, 80], description="multistep: epochs at which the LR is multiplied by gamma."
+    )
+    gamma: float = Field(0.1, gt=0, description="step/multistep: the factor.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine/poly floor, as a fraction of lr.")
+    power: float = Field(2.0, gt=0, description="poly: the exponent.")
+    pct_start: float = Field(0.25, gt=0, lt=1, description="onecycle: fraction of steps rising.")
+
+
+class TrainConfig(Section):
+    epochs: int = Field(90, ge=1, description="Passes over the training split.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast precision; fp16 uses a GradScaler and needs CUDA."
+    )
+    grad_accum: int = Field(1, ge=1, description="Micro-steps per optimisation step.")
+    max_steps_per_epoch: int = Field(0, ge=0, description="Cap on steps per epoch (0 = whole epoch).")
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0, description="Also checkpoint every N steps (0 = epoch ends only).")
+    keep_last: int = Field(3, ge=1, description="Step checkpoints kept besides last.pt and best.pt.")
+
+
+class DistributedConfig(Section):
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="auto = nccl when every worker has its own CUDA device, else gloo."
+    )
+    nproc_per_node: PositiveInt | Literal["auto"] = Field(
+        "auto", description="Workers on this node; auto = one per visible GPU, else cpu_workers."
+    )
+    cpu_workers: int = Field(1, ge=1, description="Workers per node when auto finds no GPU.")
+    reduce: Literal["mean", "sum", "bf16", "fp16", "powersgd"] = Field(
+        "mean", description="Gradient reduction (DDP comm hook); only mean equals single-process."
+    )
+    bucket_cap_mb: float = Field(25, gt=0, description="DDP gradient bucket size, MiB.")
+    timeout_s: int = Field(600, ge=1, description="Collective timeout; a dead rank ends all by then.")
+    max_restarts: int = Field(0, ge=0, description="Elastic restarts of the worker group on failure.")
+
+
+class LoggingConfig(Section):
+    every_steps: int = Field(50, ge=1, description="Log a training line every N steps.")
+
+
+class RunConfig(Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name (run dir prefix).")
+    seed: int = Field(0, description="Seed for weights, shuffling and augmentation.")
+    deterministic: bool = Field(False, description="Deterministic kernels (slower, reproducible).")
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML run config, apply `--set key=value` overrides, validate."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config ({e.strerror}); check the path") from e
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: TOML syntax error: {e}") from e
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw, source=str(path))
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {describe_validation_error(e, RunConfig)}") from e
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """`a.b=v`: v in TOML value syntax, or a bare string when it is not TOML."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optim.lr=0.2")
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section")
+    node[leaf] = parsed
+
+
+def describe_validation_error(err: ValidationError, model: type[BaseModel]) -> str:
+    """First error as `section.key: message`, with a did-you-mean for unknown keys."""
+    first = err.errors()[0]
+    loc = _field_path(model, [str(p) for p in first["loc"]])
+    key = ".".join(loc)
+    if first["type"] == "extra_forbidden":
+        owner = _model_at(model, loc[:-1])
+        hint = did_you_mean(loc[-1], list(owner.model_fields)) if owner else ""
+        message = f"{key}: unknown key{hint}"
+    else:
+        message = f"{key}: {first['msg']}" if key else first["msg"]
+    more = len(err.errors()) - 1
+    return message + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+
+
+def _field_path(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """The part of a pydantic error location that names keys (drops union tags)."""
+    path: list[str] = []
+    for part in loc:
+        if _model_at(model, path) is None:
+            break
+        path.append(part)
+    return path
+
+
+def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    for part in path:
+        field = model.model_fields.get(part)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model

@@ -1,0 +1,95 @@
+"""One worker's place in the world: backend, device, process group, threads, seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddp_cli.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def choose_backend(requested: str, cuda_devices: int, local_world_size: int) -> str:
+    """auto = nccl when every local worker has its own CUDA device, else gloo."""
+    if requested == "auto":
+        return "nccl" if cuda_devices >= local_world_size > 0 else "gloo"
+    if requested == "nccl" and cuda_devices < local_world_size:
+        raise ConfigError(
+            f"distributed.backend: nccl needs one CUDA device per worker ({local_world_size} "
+            f"workers, {cuda_devices} devices); use backend = \"gloo\" or fewer workers"
+        )
+    return requested
+
+
+def choose_device(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def threads_per_worker(local_world_size: int) -> int:
+    """Split this machine's cores evenly among its workers (at least one each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world_size))
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def setup(backend: str = "auto", timeout_s: int = 600) -> DistContext:
+    """Join the process group described by torchrun's environment variables."""
+    rank, world_size = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+    local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", 1)
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = choose_backend(backend, cuda, local_world)
+    device = choose_device(backend, local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(threads_per_worker(local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistContext(rank, world_size, local_rank, local_world, device, backend)
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """The same seed on every rank: identical initial weights before DDP's broadcast."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    elif torch.cuda.is_available():
+        torch.backends.cudnn.benchmark = True
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

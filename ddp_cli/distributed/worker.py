@@ -1,0 +1,135 @@
+"""One worker process: `python -m ddp_cli.distributed.worker JOB_DIR`, started by the elastic agent.
+
+The three ideas of the seeds, in order: prepare (join the group, build loaders
+and an identical model on every rank), train (Trainer.fit), and the gradient
+averaging that DDP does inside every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_cli.config import RunConfig
+from ddp_cli.data.layouts import IndexTable
+from ddp_cli.data.loaders import build_loaders
+from ddp_cli.distributed.setup import DistContext, seed_everything, setup, teardown
+from ddp_cli.errors import INTERNAL, SIGINT, ConfigError, DdpError
+from ddp_cli.jobs import Job, read_job, record_error, write_result
+from ddp_cli.models import build_model
+from ddp_cli.observe.console import RunConsole
+from ddp_cli.registry import DatasetEntry
+from ddp_cli.train.checkpoint import load_checkpoint
+from ddp_cli.train.trainer import Trainer, evaluate
+
+log = logging.getLogger("ddp")
+
+
+def weights_fingerprint(model: nn.Module) -> torch.Tensor:
+    """Two numbers that differ if any parameter differs (sum and position-weighted sum)."""
+    flat = torch.cat([p.detach().double().flatten() for p in model.state_dict().values()
+                      if p.is_floating_point()])
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    return torch.stack([flat.sum(), (flat * weights.remainder(97)).sum()])
+
+
+def assert_identical_across_ranks(model: nn.Module, when: str) -> None:
+    """All replicas must hold the same weights; a divergence is a bug, not bad luck."""
+    mine = weights_fingerprint(model)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    if any(not torch.equal(everyone[0], other) for other in everyone[1:]):
+        raise RuntimeError(f"replicas hold different weights {when}")
+
+
+def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
+              index: IndexTable, job: Job) -> dict[str, Any]:
+    seed_everything(cfg.seed, cfg.deterministic)
+    model = build_model(cfg.model, len(index.classes))  # same seed: same weights on every rank
+    fs, root = entry.open()
+    loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
+                            pin_memory=ctx.device.type == "cuda")
+    console = RunConsole(ctx.is_main and not job.quiet, cfg.logging.every_steps)
+    extra = {"config": cfg.model_dump(mode="json"), "dataset": entry.model_dump(mode="json"),
+             "classes": index.classes}
+    trainer = Trainer(cfg, ctx, loaders, model, folder, extra, console)
+    if job.checkpoint:
+        trainer.resume(load_checkpoint(job.checkpoint))
+    assert_identical_across_ranks(trainer.model.module, "at the start")
+    result = trainer.fit()
+    assert_identical_across_ranks(trainer.model.module, "at the end")
+    return {
+        "run_dir": str(folder),
+        "checkpoint": str(folder / "checkpoints" / "last.pt"),
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        **result,
+    }
+
+
+def validate_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
+                 index: IndexTable, job: Job) -> dict[str, Any]:
+    state = load_checkpoint(job.checkpoint)
+    model = build_model(cfg.model, len(index.classes))
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise ConfigError(f"{job.checkpoint}: weights do not fit model {cfg.model.name!r} with "
+                          f"{len(index.classes)} classes; pass the run's own --config") from e
+    model.to(ctx.device, memory_format=torch.channels_last if cfg.model.channels_last
+             else torch.preserve_format)
+    fs, root = entry.open()
+    loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
+                            pin_memory=ctx.device.type == "cuda", train=False)
+    metrics = evaluate(model, loaders.val, ctx.device, cfg.train.precision, cfg.model.channels_last)
+    return {"checkpoint": job.checkpoint, "dataset": entry.name, "split": "val",
+            "world_size": ctx.world_size, **metrics}
+
+
+JOBS = {"train": train_job, "validate": validate_job}
+
+
+def run_job(folder: Path) -> int:
+    """Run the job in this process (already inside a torchrun-style environment)."""
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        cfg, entry, index, job = read_job(folder)
+        ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
+        result = JOBS[job.mode](cfg, ctx, folder, entry, index, job)
+        if ctx.is_main:
+            write_result(folder, result)
+        return 0
+    except DdpError as e:
+        record_error(folder, rank, e.exit_code, str(e), original=True)
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return SIGINT
+    except dist.DistError as e:  # a peer vanished: the launcher reports the original failure
+        record_error(folder, rank, INTERNAL, str(e).splitlines()[0], original=False)
+        log.debug("rank %d: lost a peer: %s", rank, e)
+        return INTERNAL
+    except Exception as e:
+        record_error(folder, rank, INTERNAL, f"{type(e).__name__}: {e}", original=True)
+        if os.environ.get("DDP_DEBUG") == "1":
+            traceback.print_exc()
+        print(f"error: internal error on rank {rank} (a bug; please report it): {e}", file=sys.stderr)
+        return INTERNAL
+    finally:
+        teardown()
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("DDP_LOG_LEVEL", "INFO"), format="%(message)s")
+    sys.exit(run_job(Path(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

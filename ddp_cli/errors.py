@@ -1,0 +1,59 @@
+"""The error hierarchy: every known failure carries the exit code of CLI.md.
+
+One mapping in one place: the CLI turns a `DdpError` into one line on stderr
+and its `exit_code`; anything else is a bug (exit 1).
+"""
+
+from __future__ import annotations
+
+OK = 0
+INTERNAL = 1
+USAGE = 2
+DATA = 3
+DIVERGED = 4
+SIGINT = 130
+SIGTERM = 143
+
+
+class DdpError(Exception):
+    """A failure the user can act on; `str(err)` is the one-line message."""
+
+    exit_code = INTERNAL
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class ConfigError(DdpError):
+    """Bad flag, TOML syntax, schema violation, unknown dataset or model."""
+
+    exit_code = USAGE
+
+
+class DataError(DdpError):
+    """Missing root or split, unreadable image, missing or refused credentials."""
+
+    exit_code = DATA
+
+
+class DivergedError(DdpError):
+    """Non-finite loss; the last good checkpoint is kept."""
+
+    exit_code = DIVERGED
+
+
+class WorkerFailed(DdpError):
+    """A worker exited with this code; it already printed its own message (may be empty)."""
+
+
+def did_you_mean(word: str, known: list[str] | tuple[str, ...]) -> str:
+    """A ' (did you mean x?)' hint, or the known names when nothing is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(known), n=3, cutoff=0.6)
+    if close:
+        return f" (did you mean {', '.join(repr(c) for c in close)}?)"
+    names = ", ".join(sorted(known)[:12]) + (", ..." if len(known) > 12 else "")
+    return f" (known: {names})"

@@ -1,0 +1,124 @@
+"""The data set registry: a DataSets.jl-style `data.toml`, resolved to fsspec roots.
+
+Search order: `--registry`, `$DDP_DATA_TOML`, `./data.toml`. Relative paths
+resolve against the registry file's folder; `~` and `$VARS` expand.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import uuid as uuidlib
+from pathlib import Path
+from typing import Any, Literal
+
+import fsspec
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ddp_cli.config import describe_validation_error
+from ddp_cli.errors import ConfigError, DataError, did_you_mean
+
+LAYOUTS = ("imagenet-loc", "imagefolder")
+
+
+class Storage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    driver: Literal["FileSystem", "S3"] = Field(description="Where the root lives.")
+    path: str = Field(description="Local folder, or s3://bucket/prefix.")
+    endpoint_url: str | None = Field(None, description="S3: an S3-compatible endpoint.")
+    region: str | None = Field(None, description="S3: the bucket's region.")
+    profile: str | None = Field(None, description="S3: a named AWS profile.")
+    anon: bool = Field(False, description="S3: anonymous access (public buckets).")
+
+
+class DatasetEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="The name run configs use.")
+    uuid: uuidlib.UUID | None = Field(None, description="A stable identity, as in DataSets.jl.")
+    description: str = Field("", description="One line for `ddp datasets list`.")
+    layout: Literal["imagenet-loc", "imagefolder"] = Field(description="How files are arranged.")
+    generator: Literal["sklearn-digits"] | None = Field(
+        None, description="Build the root offline on first use from data a package ships."
+    )
+    storage: Storage
+
+    def open(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        """The filesystem and root path; builds a generated data set on first use."""
+        if self.storage.driver == "S3":
+            from ddp_cli.data.storage import s3_filesystem
+
+            return s3_filesystem(self.storage)
+        root = self.storage.path
+        if self.generator == "sklearn-digits":
+            from ddp_cli.data.demo import ensure_demo
+
+            ensure_demo(Path(root))
+        if not Path(root).is_dir():
+            raise DataError(f"data set {self.name!r}: root {root} does not exist; "
+                            "fix storage.path in the registry")
+        return fsspec.filesystem("file"), root
+
+
+class Registry(BaseModel):
+    path: Path
+    datasets: list[DatasetEntry]
+
+    def get(self, name: str) -> DatasetEntry:
+        for entry in self.datasets:
+            if entry.name == name:
+                return entry
+        names = [d.name for d in self.datasets]
+        raise ConfigError(f"unknown data set {name!r} in {self.path}{did_you_mean(name, names)}")
+
+
+def find_registry(explicit: str | Path | None = None) -> Path:
+    """`--registry`, then `$DDP_DATA_TOML`, then `./data.toml`."""
+    for candidate, origin in (
+        (explicit, "--registry"),
+        (os.environ.get("DDP_DATA_TOML"), "$DDP_DATA_TOML"),
+        ("data.toml", "./data.toml"),
+    ):
+        if candidate:
+            path = Path(os.path.expandvars(os.path.expanduser(str(candidate))))
+            if path.is_file():
+                return path.resolve()
+            if origin != "./data.toml":
+                raise ConfigError(f"{origin}: registry {path} not found; give an existing data.toml")
+    raise ConfigError("no data.toml here; pass --registry PATH or set $DDP_DATA_TOML")
+
+
+def load_registry(explicit: str | Path | None = None) -> Registry:
+    path = find_registry(explicit)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: TOML syntax error: {e}") from e
+    version = raw.get("data_config_version")
+    if version != 1:
+        raise ConfigError(f"{path}: data_config_version must be 1 (found {version!r})")
+    unknown = set(raw) - {"data_config_version", "datasets"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key {sorted(unknown)[0]!r}; "
+                          "expected data_config_version and [[datasets]]")
+    entries = [_parse_entry(path, i, item) for i, item in enumerate(raw.get("datasets", []))]
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.name in seen:
+            raise ConfigError(f"{path}: data set name {entry.name!r} appears twice; names must be unique")
+        seen.add(entry.name)
+    return Registry(path=path, datasets=entries)
+
+
+def _parse_entry(path: Path, index: int, item: Any) -> DatasetEntry:
+    label = f"{path}: datasets[{index}]" + (f" ({item['name']!r})" if isinstance(item, dict)
+                                            and "name" in item else "")
+    try:
+        entry = DatasetEntry.model_validate(item)
+    except ValidationError as e:
+        raise ConfigError(f"{label}: {describe_validation_error(e, DatasetEntry)}") from e
+    if entry.storage.driver == "FileSystem":
+        local = Path(os.path.expandvars(os.path.expanduser(entry.storage.path)))
+        entry.storage.path = str((path.parent / local).resolve())
+    elif not entry.storage.path.startswith("s3://"):
+        raise ConfigError(f"{label}: storage.path must start with s3:// for driver S3")
+    return entry

@@ -1,0 +1,48 @@
+"""LR schedules as a factor of the peak LR, evaluated every optimisation step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from ddp_cli.config import ScheduleConfig
+
+ONECYCLE_START = 1 / 25  # torch's OneCycleLR div_factor
+ONECYCLE_END = 1e-4
+
+
+def lr_factor(cfg: ScheduleConfig, steps_per_epoch: int, total_steps: int) -> Callable[[int], float]:
+    """factor(step) in [0, 1]: linear warmup, then the named shape over the remaining steps."""
+    warmup = cfg.warmup_steps or round(cfg.warmup_epochs * steps_per_epoch)
+    floor = cfg.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        epoch = step / steps_per_epoch
+        t = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if cfg.name == "step":
+            return cfg.gamma ** math.floor(epoch / cfg.step_epochs)
+        if cfg.name == "multistep":
+            return cfg.gamma ** sum(epoch >= m for m in cfg.milestones)
+        if cfg.name == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+        if cfg.name == "poly":
+            return floor + (1 - floor) * (1 - t) ** cfg.power
+        if cfg.name == "onecycle":
+            if t < cfg.pct_start:
+                return ONECYCLE_START + (1 - ONECYCLE_START) * t / cfg.pct_start
+            down = (t - cfg.pct_start) / (1 - cfg.pct_start)
+            return ONECYCLE_END + (1 - ONECYCLE_END) * 0.5 * (1 + math.cos(math.pi * down))
+        return 1.0
+
+    return factor
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, steps_per_epoch: int, total_steps: int
+) -> LambdaLR:
+    return LambdaLR(optimizer, lr_factor(cfg, steps_per_epoch, total_steps))
