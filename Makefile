@@ -1,0 +1,30 @@
+# Two commands: `make train` (the demo, end to end) and `make test`.
+# Both share `make setup`: a .venv with torch/torchvision pinned as a matched pair.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup train test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+train: setup
+	$(BIN)/ddp train configs/demo.toml
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf runs .data .pytest_cache

@@ -1,0 +1,67 @@
+"""Tiny image data sets written by the tests themselves, with faults planted on demand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import tomli_w
+from PIL import Image
+
+
+def write_registry(folder: Path, entries: list[dict]) -> Path:
+    path = folder / "data.toml"
+    path.write_text(tomli_w.dumps({"data_config_version": 1, "datasets": entries}))
+    return path
+
+
+def image(seed: int, label: int, size: int = 40, mode: str = "RGB") -> Image.Image:
+    """A noisy image whose mean colour encodes the label (learnable, deterministic)."""
+    rng = np.random.default_rng(seed)
+    base = np.zeros((size, size, 3), dtype=np.float64)
+    base[..., label % 3] = 160 + 30 * (label // 3)
+    pixels = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
+    img = Image.fromarray(pixels, "RGB")
+    return img.convert(mode) if mode != "RGB" else img
+
+
+def make_imagenet_loc(root: Path, classes: int = 3, train_per_class: int = 8, val: int = 7,
+                      size: int = 40, train_list: bool = True) -> dict[str, list[str]]:
+    """A Kaggle-layout data set; returns the written files per split (paths under root)."""
+    synsets = [f"n{1000 + c:08d}" for c in range(classes)]
+    (root / "LOC_synset_mapping.txt").parent.mkdir(parents=True, exist_ok=True)
+    (root / "LOC_synset_mapping.txt").write_text(
+        "".join(f"{s} class {c}, thing {c}\n" for c, s in enumerate(synsets)))
+    files: dict[str, list[str]] = {"train": [], "val": []}
+    lines, rows = [], ["ImageId,PredictionString"]
+    for c, synset in enumerate(synsets):
+        folder = root / "ILSVRC/Data/CLS-LOC/train" / synset
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(train_per_class):
+            image_id = f"{synset}_{i}"
+            image(c * 1000 + i, c, size).save(folder / f"{image_id}.JPEG")
+            files["train"].append(f"ILSVRC/Data/CLS-LOC/train/{synset}/{image_id}.JPEG")
+            lines.append(f"{synset}/{image_id} {len(lines) + 1}")
+    val_dir = root / "ILSVRC/Data/CLS-LOC/val"
+    val_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(val):
+        image_id = f"ILSVRC2012_val_{i + 1:08d}"
+        image(10**6 + i, i % classes, size).save(val_dir / f"{image_id}.JPEG")
+        rows.append(f"{image_id},{synsets[i % classes]} 1 1 5 5 {synsets[i % classes]} 2 2 6 6")
+        files["val"].append(f"ILSVRC/Data/CLS-LOC/val/{image_id}.JPEG")
+    if train_list:
+        listing = root / "ILSVRC/ImageSets/CLS-LOC/train_cls.txt"
+        listing.parent.mkdir(parents=True, exist_ok=True)
+        listing.write_text("\n".join(lines) + "\n")
+    (root / "LOC_train_solution.csv").write_text("ImageId,PredictionString\n")
+    (root / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+    return files
+
+
+def make_imagefolder(root: Path, classes: int = 3, per_class: int = 4, size: int = 40) -> None:
+    for split, count in (("train", per_class), ("val", max(1, per_class // 2))):
+        for c in range(classes):
+            folder = root / split / f"class_{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                image(hash((split, c, i)) % 10**6, c, size).save(folder / f"img_{i}.jpg")
