@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train test lint docs clean
 
 setup: $(STAMP)
 
@@ -28,3 +28,6 @@ lint: setup
 
 clean:
 	rm -rf runs .data .pytest_cache
+
+docs: setup
+	$(BIN)/python -c "from pathlib import Path; from ddp_cli.config import sync_reference; sync_reference(Path('README.md'))"

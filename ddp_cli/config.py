@@ -210,3 +210,34 @@ def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None
             return None
         model = annotation
     return model
+
+
+def reference_markdown() -> str:
+    """The config reference for README, generated from the field descriptions."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def rows(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                rows(annotation, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            shown = "unset" if default is None else tomli_w.dumps({"v": default})[4:].strip()
+            lines.append(f"| `{prefix}{name}` | `{shown}` | {field.description} |")
+
+    rows(RunConfig, "")
+    return "\n".join(lines)
+
+
+REFERENCE_START, REFERENCE_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def sync_reference(readme: Path) -> bool:
+    """Rewrite README's generated config reference; True if it changed (`make docs`)."""
+    text = readme.read_text()
+    head, rest = text.split(REFERENCE_START, 1)
+    _, tail = rest.split(REFERENCE_END, 1)
+    updated = f"{head}{REFERENCE_START}\n{reference_markdown()}\n{REFERENCE_END}{tail}"
+    readme.write_text(updated)
+    return updated != text

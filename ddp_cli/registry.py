@@ -100,7 +100,10 @@ def load_registry(explicit: str | Path | None = None) -> Registry:
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key {sorted(unknown)[0]!r}; "
                           "expected data_config_version and [[datasets]]")
-    entries = [_parse_entry(path, i, item) for i, item in enumerate(raw.get("datasets", []))]
+    items = raw.get("datasets", [])
+    if not isinstance(items, list):
+        raise ConfigError(f"{path}: datasets must be an array of tables, written [[datasets]]")
+    entries = [_parse_entry(path, i, item) for i, item in enumerate(items)]
     seen: set[str] = set()
     for entry in entries:
         if entry.name in seen:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from synthetic import write_registry
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,10 +92,8 @@ def run_ddp(*args: str, cwd: Path | None = None, env: dict | None = None,
         stdout, stderr = proc.communicate()
         pytest.fail(f"ddp {' '.join(args)} timed out\n{stderr[-3000:]}")
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)  # no orphan workers, whatever happened
-        except ProcessLookupError:
-            pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 

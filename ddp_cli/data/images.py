@@ -26,7 +26,7 @@ def open_image(data: bytes) -> Image.Image:
     except UnidentifiedImageError as e:
         raise BadImage("not an image") from e
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise BadImage(f"unreadable ({e})") from e
+        raise BadImage("truncated" if "runcated" in str(e) else f"unreadable ({e})") from e
 
 
 def shrink_on_decode(img: Image.Image, width: int, height: int) -> float:
@@ -47,7 +47,7 @@ def finish(img: Image.Image) -> Image.Image:
         img.load()
         return img if img.mode == "RGB" else img.convert("RGB")
     except (OSError, SyntaxError, ValueError) as e:
-        reason = "truncated" if "truncated" in str(e) else f"corrupt ({e})"
+        reason = "truncated" if "runcated" in str(e) else f"corrupt ({e})"
         raise BadImage(reason) from e
 
 

@@ -94,12 +94,17 @@ def select_classes(
     for i, text in enumerate(descriptions):
         lookup.setdefault(text, i)
         lookup.setdefault(text.split(",")[0].strip(), i)
-    chosen = []
+    if not classes:
+        raise ConfigError("data.classes: an empty list selects nothing; remove the key for every class")
+    chosen: dict[int, str] = {}
     for name in classes:
         if name not in lookup:
             raise ConfigError(f"data.classes: unknown class {name!r}{did_you_mean(name, list(lookup))}")
-        chosen.append(lookup[name])
-    return chosen
+        if lookup[name] in chosen:
+            raise ConfigError(f"data.classes: {name!r} and {chosen[lookup[name]]!r} name the same "
+                              "class; list each class once")
+        chosen[lookup[name]] = name
+    return list(chosen)
 
 
 def _read_text(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -131,8 +136,9 @@ def _loc_train(fs, root: str) -> pd.DataFrame:
     if fs.exists(listing):
         ids = pd.read_csv(io.StringIO(_read_text(fs, listing)), sep=" ", header=None,
                           usecols=[0], names=["id"], dtype=str)["id"]
-        return pd.DataFrame({"path": LOC_TRAIN + "/" + ids + ".JPEG",
-                             "synset": ids.str.split("/", n=1).str[0]})
+        frame = pd.DataFrame({"path": LOC_TRAIN + "/" + ids + ".JPEG",
+                              "synset": ids.str.split("/", n=1).str[0]})
+        return frame.sort_values("path", ignore_index=True)  # same order as a listing gives
     files = _list_images(fs, f"{root}/{LOC_TRAIN}", root)
     return pd.DataFrame({"path": files, "synset": [p.split("/")[-2] for p in files]})
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -38,7 +39,9 @@ class ShardSampler(Sampler[int]):
     def _order(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        # (seed, epoch) mixed, so seed s at epoch e+1 is not seed s+1 at epoch e
+        g = torch.Generator().manual_seed(int(np.random.SeedSequence([self.seed, self.epoch])
+                                              .generate_state(1)[0]))
         order = torch.randperm(self.n, generator=g)
         return order[: self.n - self.n % self.world_size].tolist()  # equal shares, no repeats
 

@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
+from ddp_cli.distributed.worker import LAUNCHED
 from ddp_cli.errors import INTERNAL, ConfigError, WorkerFailed
 from ddp_cli.jobs import clear_errors, first_error
 
@@ -73,6 +74,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
     )
     logging.getLogger("torch.distributed").setLevel(logging.INFO if opts.verbose else logging.CRITICAL)
     clear_errors(job_dir)
+    os.environ[LAUNCHED] = "1"  # workers leave the printing of errors to us
     try:
         elastic_launch(config, sys.executable)("-m", "ddp_cli.distributed.worker", str(job_dir))
     except ChildFailedError as e:
@@ -83,7 +85,7 @@ def failure(job_dir: Path, err: ChildFailedError) -> WorkerFailed:
     """The original failure: the earliest error a worker recorded, else the first that died."""
     recorded = first_error(job_dir)
     if recorded:
-        return WorkerFailed("", recorded["exit_code"])
+        return WorkerFailed(recorded["message"], recorded["exit_code"])
     rank, proc = min(err.failures.items(), key=lambda kv: kv[1].timestamp)
     if proc.exitcode < 0:
         return WorkerFailed(f"worker rank {rank} was killed by {proc.signal_name()}", INTERNAL)

@@ -31,6 +31,7 @@ from ddp_cli.train.checkpoint import load_checkpoint
 from ddp_cli.train.trainer import Trainer, evaluate
 
 log = logging.getLogger("ddp")
+LAUNCHED = "DDP_LAUNCHED"  # set by our launcher for its workers
 
 
 def weights_fingerprint(model: nn.Module) -> torch.Tensor:
@@ -107,23 +108,31 @@ def run_job(folder: Path) -> int:
             write_result(folder, result)
         return 0
     except DdpError as e:
-        record_error(folder, rank, e.exit_code, str(e), original=True)
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return fail(folder, rank, e.exit_code, str(e), original=True)
     except KeyboardInterrupt:
         return SIGINT
     except dist.DistError as e:  # a peer vanished: the launcher reports the original failure
-        record_error(folder, rank, INTERNAL, str(e).splitlines()[0], original=False)
         log.debug("rank %d: lost a peer: %s", rank, e)
-        return INTERNAL
+        return fail(folder, rank, INTERNAL, f"rank {rank} lost a peer ({str(e).splitlines()[0]})",
+                    original=False)
     except Exception as e:
-        record_error(folder, rank, INTERNAL, f"{type(e).__name__}: {e}", original=True)
         if os.environ.get("DDP_DEBUG") == "1":
             traceback.print_exc()
-        print(f"error: internal error on rank {rank} (a bug; please report it): {e}", file=sys.stderr)
-        return INTERNAL
+        return fail(folder, rank, INTERNAL, f"internal error on rank {rank} (a bug; DDP_DEBUG=1 "
+                    f"shows the traceback): {type(e).__name__}: {e}", original=True)
     finally:
         teardown()
+
+
+def fail(folder: Path, rank: int, exit_code: int, message: str, original: bool) -> int:
+    """Record the failure for the launcher, which prints the original one once.
+
+    Under an external torchrun there is no launcher of ours, so say it here.
+    """
+    record_error(folder, rank, exit_code, message, original)
+    if LAUNCHED not in os.environ and original:
+        print(f"error: {message}", file=sys.stderr)
+    return exit_code
 
 
 def main() -> None:

@@ -1,0 +1,71 @@
+"""End to end: `ddp train` and `ddp validate` as a user runs them, in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+
+import pytest
+from conftest import REPO, last_json, run_ddp
+
+from ddp_cli.config import config_from_dict, load_config
+
+FAST = ["--set", "train.epochs=2", "--set", "train.max_steps_per_epoch=6", "--set", "data.workers=0"]
+
+
+@pytest.fixture(scope="module")
+def trained(demo_registry, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run") / "demo"
+    result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry),
+                     "--run-dir", str(run_dir), "--json", *FAST)
+    return last_json(result), run_dir
+
+
+def test_train_json_and_run_directory(trained):
+    out, run_dir = trained
+    for key in ("run_dir", "world_size", "epochs", "final", "best_top1", "checkpoint",
+                "images_per_second", "skipped_images", "restarts"):
+        assert key in out, key
+    assert out["world_size"] == 2 and out["epochs"] == 2 and out["restarts"] == 0
+    assert out["final"]["images"] == 359
+    assert 0 <= out["final"]["top1"] <= out["final"]["top5"] <= 1
+    assert out["images_per_second"] > 0
+    resolved = config_from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
+    expected = load_config(REPO / "configs/demo.toml", ["train.epochs=2", "train.max_steps_per_epoch=6",
+                                                        "data.workers=0"])
+    assert resolved == expected
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if r["split"] == "val"]
+    assert [r["epoch"] for r in val] == [1, 2]
+    assert all({"epoch", "step", "split", "loss", "lr", "images_per_second", "time"} <= r.keys()
+               for r in records)
+    assert {"top1", "top5"} <= val[-1].keys()
+    assert (run_dir / "checkpoints/last.pt").is_file() and (run_dir / "checkpoints/best.pt").is_file()
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_validate_matches_training_with_any_world_size(trained, workers):
+    out, run_dir = trained
+    result = last_json(run_ddp("validate", "--checkpoint", str(run_dir / "checkpoints/last.pt"),
+                               "--nproc-per-node", str(workers), "--json"))
+    assert result["images"] == 359
+    assert result["top1"] == out["final"]["top1"]
+    assert result["top5"] == out["final"]["top5"]
+    assert result["loss"] == pytest.approx(out["final"]["loss"], rel=1e-4)
+    assert {"checkpoint", "dataset", "split"} <= result.keys() and result["dataset"] == "demo"
+
+
+def test_external_torchrun_does_not_launch_twice(demo_registry, tmp_path):
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ddp_cli",
+           "train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir", str(run_dir),
+           "--json", "--set", "train.epochs=1", "--set", "train.max_steps_per_epoch=3",
+           "--set", "data.workers=0"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    out = last_json(proc)
+    assert out["world_size"] == 2 and out["run_dir"] == str(run_dir.resolve())
+    assert sum(line.startswith("{") for line in proc.stdout.splitlines()) == 1  # rank 0 alone prints

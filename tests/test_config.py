@@ -1,0 +1,166 @@
+"""The run config: TOML in, typed sections out, every mistake a ConfigError naming file and key."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from ddp_cli.config import RunConfig, apply_override, config_from_dict, load_config
+from ddp_cli.errors import ConfigError
+
+VALID = """\
+name = "tiny-demo"
+seed = 7
+
+[data]
+dataset = "demo"
+classes = 5
+batch_size = 16
+
+[optim]
+name = "adamw"
+lr = 0.003
+
+[schedule]
+name = "onecycle"
+warmup_epochs = 1.5
+
+[distributed]
+nproc_per_node = 2
+"""
+
+
+def write(tmp_path, text: str, name: str = "run.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_load_valid_config_reads_every_section(tmp_path):
+    cfg = load_config(write(tmp_path, VALID))
+    assert cfg.name == "tiny-demo"
+    assert cfg.seed == 7
+    assert cfg.data.dataset == "demo"
+    assert cfg.data.classes == 5
+    assert cfg.data.batch_size == 16
+    assert cfg.optim.name == "adamw"
+    assert cfg.optim.lr == pytest.approx(0.003)
+    assert cfg.schedule.name == "onecycle"
+    assert cfg.schedule.warmup_epochs == pytest.approx(1.5)
+    assert cfg.distributed.nproc_per_node == 2
+    assert cfg.train.epochs == RunConfig().train.epochs  # untouched sections keep defaults
+
+
+def test_toml_syntax_error_names_file_and_line(tmp_path):
+    path = write(tmp_path, 'name = "x"\n\n[data]\nbatch_size = = 3\n', name="broken.toml")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "broken.toml" in message
+    assert "line 4" in message
+
+
+def test_missing_config_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="nope.toml"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_unknown_key_names_section_and_suggests(tmp_path):
+    path = write(tmp_path, "[optim]\nlrr = 0.1\n", name="typo.toml")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "typo.toml" in message
+    assert "optim.lrr: unknown key (did you mean 'lr'?)" in message
+
+
+def test_unknown_key_in_nested_section_suggests_the_right_field(tmp_path):
+    path = write(tmp_path, "[data]\nbatchsize = 8\n")
+    with pytest.raises(ConfigError, match=r"data\.batchsize: unknown key \(did you mean 'batch_size'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("[optim]\nlr = -1.0\n", "optim.lr: "),
+    ("[train]\nprecision = \"fp8\"\n", "train.precision: "),
+    ("[data]\nbatch_size = \"many\"\n", "data.batch_size: "),
+    ("[data]\nclasses = 3.5\n", "data.classes: "),
+    ("[distributed]\nnproc_per_node = 0\n", "distributed.nproc_per_node: "),
+])
+def test_bad_value_is_reported_as_section_dot_key(tmp_path, text, key):
+    path = write(tmp_path, text, name="bad.toml")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {key}"), message
+
+
+def test_config_error_exit_code_is_2(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, "[optim]\nlr = 0\n"))
+    assert info.value.exit_code == 2
+    assert ConfigError("x").exit_code == 2
+
+
+def test_override_parses_toml_values():
+    raw: dict = {"optim": {"lr": 0.1}}
+    apply_override(raw, "optim.lr=0.2")
+    apply_override(raw, "train.epochs=3")
+    apply_override(raw, "model.channels_last=true")
+    apply_override(raw, "schedule.milestones=[1, 2.5]")
+    assert raw == {"optim": {"lr": 0.2}, "train": {"epochs": 3}, "model": {"channels_last": True},
+                   "schedule": {"milestones": [1, 2.5]}}
+    assert isinstance(raw["optim"]["lr"], float)
+    assert isinstance(raw["train"]["epochs"], int)
+
+
+def test_override_creates_nested_sections():
+    raw: dict = {}
+    apply_override(raw, "a.b.c=1")
+    assert raw == {"a": {"b": {"c": 1}}}
+
+
+def test_override_bare_and_quoted_strings():
+    raw: dict = {}
+    apply_override(raw, "data.dataset=demo")
+    assert raw["data"]["dataset"] == "demo"
+    apply_override(raw, 'data.dataset="imagenet_local"')
+    assert raw["data"]["dataset"] == "imagenet_local"
+    apply_override(raw, "name='single-quoted'")
+    assert raw["name"] == "single-quoted"
+
+
+@pytest.mark.parametrize("item", ["foo", "=3", "  =x"])
+def test_malformed_override_raises(item):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        apply_override({}, item)
+
+
+def test_override_through_a_value_raises():
+    with pytest.raises(ConfigError, match="not a section"):
+        apply_override({"seed": 0}, "seed.x=1")
+
+
+def test_overrides_apply_before_validation(tmp_path):
+    cfg = load_config(write(tmp_path, VALID), ["optim.lr=0.2", "data.dataset=other", "train.epochs=2"])
+    assert cfg.optim.lr == pytest.approx(0.2)
+    assert cfg.data.dataset == "other"
+    assert cfg.train.epochs == 2
+    with pytest.raises(ConfigError, match=r"optim\.lrr: unknown key"):
+        load_config(write(tmp_path, VALID), ["optim.lrr=0.2"])
+
+
+@pytest.mark.parametrize("raw", [
+    {},
+    {"name": "rt", "seed": 3, "data": {"classes": ["n01", "n02"], "on_bad_image": "skip"},
+     "optim": {"lr": 0.05, "nesterov": True}, "schedule": {"milestones": [2, 4.5]},
+     "distributed": {"nproc_per_node": 3, "reduce": "bf16"}},
+    {"data": {"classes": 4}, "optim": {"lr_per_256": 0.4}},
+])
+def test_to_toml_round_trips(raw):
+    cfg = config_from_dict(raw)
+    text = cfg.to_toml()
+    again = config_from_dict(tomllib.loads(text))
+    assert again == cfg
+    assert again.model_dump() == cfg.model_dump()
