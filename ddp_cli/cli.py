@@ -19,8 +19,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+try:  # typer >= 0.20 vendors its own click
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer on real click
+    from click.exceptions import NoArgsIsHelpError, UsageError
+
 from ddp_cli import __version__
-from ddp_cli.errors import INTERNAL, DdpError
+from ddp_cli.errors import INTERNAL, SIGINT, USAGE, DdpError
 
 app = typer.Typer(no_args_is_help=True, help="Train image classifiers data-parallel on "
                   "torch.distributed from one TOML file.", rich_markup_mode="markdown")
@@ -88,7 +93,8 @@ def train(
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a config key: --set optim.lr=0.2 (TOML value syntax).")] = None,
     registry: RegistryOpt = None,
-    run_dir: Annotated[Path | None, typer.Option(help="Run directory (else runs/<name>-<time>).")] = None,
+    run_dir: Annotated[Path | None, typer.Option(
+        help="Run directory (else runs/NAME-YYYYmmdd-HHMMSS).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option(min=1, help="Workers on this node.")] = None,
     nnodes: Annotated[int, typer.Option(min=1, help="Nodes in the job.")] = 1,
     node_rank: Annotated[int, typer.Option(min=0, help="This node's rank.")] = 0,
@@ -100,7 +106,16 @@ def train(
     as_json: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
-    """Train a model data-parallel: `ddp train configs/demo.toml`."""
+    """Train a model data-parallel on this node's workers (and other nodes').
+
+    Examples:
+
+    * `ddp train configs/demo.toml`
+    * `ddp train configs/demo.toml --set optim.lr_per_256=0.2 --set train.epochs=4`
+    * `ddp train configs/resnet34.toml --dry-run`
+    * `ddp train configs/demo.toml --json --quiet | tail -1`
+    * `ddp train cfg.toml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --rdzv-id job1`
+    """
     from ddp_cli import commands
     from ddp_cli.distributed.launch import LaunchOptions
 
@@ -127,7 +142,14 @@ def validate(
     batch_size: Annotated[int | None, typer.Option(min=1, help="Images per worker per batch.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Evaluate a checkpoint on the whole validation split (each image counted once)."""
+    """Evaluate a checkpoint on the whole validation split (each image counted once).
+
+    Examples:
+
+    * `ddp validate --checkpoint runs/demo-20261122-023101/checkpoints/last.pt`
+    * `ddp validate --checkpoint best.pt --nproc-per-node 3 --json`
+    * `ddp validate --checkpoint best.pt --dataset imagenet_s3 --registry data.toml`
+    """
     from ddp_cli import commands
     from ddp_cli.distributed.launch import LaunchOptions
 
@@ -139,7 +161,13 @@ def validate(
 @datasets_app.command("list")
 @exits
 def datasets_list(registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
-    """List the data sets in the registry."""
+    """List the data sets in the registry.
+
+    Examples:
+
+    * `ddp datasets list`
+    * `ddp datasets list --registry /shared/data.toml --json`
+    """
     from ddp_cli import commands
 
     rows = commands.datasets_list(registry)
@@ -151,6 +179,27 @@ def datasets_list(registry: RegistryOpt = None, as_json: JsonOpt = False) -> Non
         Console().print(table)
 
     emit(rows, as_json, human)
+
+
+@app.command()
+@exits
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory made by `ddp train`.")],
+    out: Annotated[Path | None, typer.Option(help="PNG to write (default RUN_DIR/report.png).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Plot a run's loss, accuracy, LR and images/s, and summarise it (works mid-run).
+
+    Examples:
+
+    * `ddp report runs/demo-20261122-023101`
+    * `ddp report runs/demo-20261122-023101 --out curves.png --json`
+    """
+    from ddp_cli.observe.report import plot, summarize
+
+    summary = summarize(run_dir)
+    summary["plot"] = str(plot(run_dir, out or run_dir / "report.png"))
+    emit(summary, as_json, lambda: print_mapping("report", summary))
 
 
 def print_mapping(title: str, result: dict[str, Any]) -> None:
@@ -176,4 +225,19 @@ def _fmt(value: Any) -> str:
 
 
 def main() -> None:
-    app()
+    """Run the CLI; a usage mistake (bad flag or value) is one line and exit 2, like any other."""
+    try:
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as e:
+        text = e.ctx.get_help()  # typer's rich help prints itself and returns ""
+        if text:
+            print(text)
+        code = 0
+    except UsageError as e:
+        command = e.ctx.command_path if e.ctx else "ddp"
+        err.print(f"[red]error:[/red] {e.format_message()} (see `{command} --help`)",
+                  highlight=False, soft_wrap=True)
+        code = USAGE
+    except (typer.Abort, KeyboardInterrupt):
+        code = SIGINT
+    sys.exit(code or 0)

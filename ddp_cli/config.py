@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -115,8 +116,21 @@ class DistributedConfig(Section):
     max_restarts: int = Field(0, ge=0, description="Elastic restarts of the worker group on failure.")
 
 
+class WandbConfig(Section):
+    project: str = Field(description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user).")
+    name: str | None = Field(None, description="Run name (default: the run dir's name).")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description='"offline" writes the run under the run dir with no network; '
+        "`wandb sync` uploads it later.",
+    )
+    tags: list[str] = Field([], description="W&B tags.")
+
+
 class LoggingConfig(Section):
-    every_steps: int = Field(50, ge=1, description="Log a training line every N steps.")
+    every_steps: int = Field(50, ge=1, description="Log a training line (and metrics record) every N steps.")
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files to <run>/tensorboard.")
+    wandb: WandbConfig | None = Field(None, description="[logging.wandb]: also log to Weights & Biases.")
 
 
 class RunConfig(Section):
@@ -205,11 +219,18 @@ def _field_path(model: type[BaseModel], loc: list[str]) -> list[str]:
 def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
     for part in path:
         field = model.model_fields.get(part)
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        model = _section_type(field.annotation) if field else None
+        if model is None:
             return None
-        model = annotation
     return model
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    """The section model behind `Section` or `Section | None`, else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def reference_markdown() -> str:
@@ -218,12 +239,13 @@ def reference_markdown() -> str:
 
     def rows(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
-            annotation = field.annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                rows(annotation, f"{prefix}{name}.")
+            section = _section_type(field.annotation)
+            if section is not None:
+                rows(section, f"{prefix}{name}.")
                 continue
             default = field.get_default(call_default_factory=True)
-            shown = "unset" if default is None else tomli_w.dumps({"v": default})[4:].strip()
+            shown = ("required" if field.is_required() else "unset" if default is None
+                     else tomli_w.dumps({"v": default})[4:].strip())
             lines.append(f"| `{prefix}{name}` | `{shown}` | {field.description} |")
 
     rows(RunConfig, "")

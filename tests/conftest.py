@@ -116,3 +116,73 @@ def demo_registry(demo_root: Path, tmp_path_factory) -> Path:
     return write_registry(folder, [{"name": "demo", "layout": "imagenet-loc",
                                     "generator": "sklearn-digits",
                                     "storage": {"driver": "FileSystem", "path": str(demo_root)}}])
+
+
+class LiveRun:
+    """A `ddp` subprocess whose stderr is read as it runs (to act mid-run: signals, kills)."""
+
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        import threading
+
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+            full_env.pop(name, None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "ddp_cli", *args], cwd=REPO, env=full_env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self.stdout = ""
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.kill()
+        pytest.fail(f"never saw {text!r}:\n{''.join(self.lines)[-3000:]}")
+
+    def workers(self) -> list[int]:
+        """PIDs of this run's worker processes (children of the launcher)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.proc.pid and "ddp_cli.distributed.worker" in cmdline:
+                pids.append(int(entry.name))
+        return sorted(pids)
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        try:
+            self.stdout = self.proc.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"ddp did not exit in {timeout}s:\n{''.join(self.lines)[-3000:]}")
+        self.reader.join(5)
+        self.kill()
+        return self.proc.returncode
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        """Kill the whole process group: launcher, workers, loader processes."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, 9)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from conftest import REPO, run_ddp
 from typer.testing import CliRunner
 
-from ddp_cli.cli import app
+from ddp_cli.cli import app, main
 
 runner = CliRunner()
 
@@ -17,9 +19,10 @@ def invoke(*args: str):
 
 
 def one_error_line(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    stderr = result.err if hasattr(result, "err") else result.stderr  # capsys or CliRunner
+    lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in "".join(lines)
     assert lines[0].startswith("error:")
     return lines[0]
 
@@ -111,3 +114,61 @@ def test_error_inside_workers_reaches_the_launcher_once(demo_registry, tmp_path)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "fp16 needs CUDA" in errors[0]
     assert "Traceback" not in result.stderr
+
+
+REGISTRY_HEAD = 'data_config_version = 1\n'
+ENTRY = ('[[datasets]]\nname = "{name}"\nlayout = "{layout}"\nuuid = "{uuid}"\n'
+         '[datasets.storage]\ndriver = "{driver}"\npath = "{path}"\n')
+
+
+def entry(name="demo", layout="imagenet-loc", uuid="6f1d3c0e-8a52-4c1b-9d0e-2a7b5e4c9f10",
+          driver="FileSystem", path="DEMO"):
+    return ENTRY.format(name=name, layout=layout, uuid=uuid, driver=driver, path=path)
+
+
+# (registry text or None for the good one, config text, extra args, exit code, text in the message)
+BAD_INPUTS = {
+    "registry duplicate name": (REGISTRY_HEAD + entry() + entry(), "", [], 2, "appears twice"),
+    "registry unknown driver": (REGISTRY_HEAD + entry(driver="Ftp"), "", [], 2, "storage.driver"),
+    "registry unknown layout": (REGISTRY_HEAD + entry(layout="coco"), "", [], 2, "layout"),
+    "registry bad uuid": (REGISTRY_HEAD + entry(uuid="not-a-uuid"), "", [], 2, "uuid"),
+    "registry wrong version": ("data_config_version = 7\n" + entry(), "", [], 2, "data_config_version"),
+    "registry s3 path without scheme": (REGISTRY_HEAD + entry(driver="S3", path="bucket/x"), "", [], 2,
+                                        "s3://"),
+    "registry toml syntax": (REGISTRY_HEAD + "[[datasets]\n", "", [], 2, "line"),
+    "unknown class": (None, '[data]\nclasses = ["n0999"]\n', [], 2, "data.classes"),
+    "class count out of range": (None, "[data]\nclasses = 11\n", [], 2, "out of range"),
+    "empty class list": (None, "[data]\nclasses = []\n", [], 2, "data.classes"),
+    "bad enum value": (None, '[data]\non_bad_image = "ignore"\n', [], 2, "data.on_bad_image"),
+    "unknown section": (None, "[optimiser]\nlr = 1\n", [], 2, "did you mean 'optim'"),
+    "wrong type": (None, '[train]\nepochs = "ten"\n', [], 2, "train.epochs"),
+    "bad nproc in config": (None, '[distributed]\nnproc_per_node = "many"\n', [], 2,
+                            "distributed.nproc_per_node"),
+    "set into a value": (None, "", ["--set", "seed.x=1"], 2, "seed"),
+    "bad flag value": (None, "", ["--nproc-per-node", "0"], 2, "--nproc-per-node"),
+    "unknown flag": (None, "", ["--nprocs", "2"], 2, "--nprocs"),
+    "multi-node without endpoint": (None, "", ["--nnodes", "2"], 2, "--rdzv-endpoint"),
+    "missing registry flag path": (None, "", ["--registry", "/nope/data.toml"], 2, "/nope/data.toml"),
+    "resume from a missing file": (None, "", ["--resume", "/nope/last.pt"], 2, "--resume"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_input_is_one_line_with_its_exit_code(case, demo_root, demo_registry, tmp_path, capsys,
+                                                   monkeypatch):
+    """Through the real entry point (`ddp_cli.cli:main`), as the installed `ddp` runs it."""
+    registry_text, config_text, extra, code, needle = BAD_INPUTS[case]
+    registry = demo_registry
+    if registry_text is not None:
+        registry = tmp_path / "data.toml"
+        registry.write_text(registry_text.replace("DEMO", str(demo_root)))
+    config = tmp_path / "run.toml"
+    config.write_text('name = "bad"\n' + config_text)
+    dry = [] if "--resume" in extra or "--nnodes" in extra else ["--dry-run"]
+    monkeypatch.setattr(sys, "argv", ["ddp", "train", str(config), "--registry", str(registry),
+                                      *dry, *extra])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    captured = capsys.readouterr()
+    assert exited.value.code == code, captured.err
+    assert needle in one_error_line(captured)

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.worker import LAUNCHED
-from ddp_cli.errors import INTERNAL, ConfigError, WorkerFailed
+from ddp_cli.errors import INTERNAL, SIGINT, SIGTERM, ConfigError, WorkerFailed
 from ddp_cli.jobs import clear_errors, first_error
 
 
@@ -79,6 +81,9 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         elastic_launch(config, sys.executable)("-m", "ddp_cli.distributed.worker", str(job_dir))
     except ChildFailedError as e:
         raise failure(job_dir, e) from None
+    except SignalException as e:  # the agent has already passed the signal on to the workers
+        code = SIGINT if e.sigval == signal.SIGINT else SIGTERM
+        raise WorkerFailed(f"interrupted by {signal.Signals(e.sigval).name}", code) from None
 
 
 def failure(job_dir: Path, err: ChildFailedError) -> WorkerFailed:

@@ -64,9 +64,12 @@ def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntr
     trainer = Trainer(cfg, ctx, loaders, model, folder, extra, console)
     if job.checkpoint:
         trainer.resume(load_checkpoint(job.checkpoint))
-    assert_identical_across_ranks(trainer.model.module, "at the start")
-    result = trainer.fit()
-    assert_identical_across_ranks(trainer.model.module, "at the end")
+    try:
+        assert_identical_across_ranks(trainer.model.module, "at the start")
+        result = trainer.fit()
+        assert_identical_across_ranks(trainer.model.module, "at the end")
+    finally:
+        trainer.close()
     return {
         "run_dir": str(folder),
         "checkpoint": str(folder / "checkpoints" / "last.pt"),

@@ -1,25 +1,137 @@
-"""Where metrics go: `metrics.jsonl` in the run dir (rank 0 only)."""
+"""Where metrics go, behind one interface: `write(record)` and `close()`.
+
+Always `metrics.jsonl` and `metrics.csv` in the run dir; TensorBoard and
+Weights & Biases when `[logging]` asks; and every record is also a `logging`
+record on the `ddp.metrics` logger, so a user's own handler keeps working.
+Only rank 0 builds sinks.
+"""
 
 from __future__ import annotations
 
+import csv
 import json
+import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from ddp_cli.config import LoggingConfig
+from ddp_cli.errors import ConfigError
+
+CSV_COLUMNS = ("time", "epoch", "step", "split", "loss", "top1", "top5", "lr", "images_per_second",
+               "skipped_images", "images")
+SCALARS = ("loss", "top1", "top5", "lr", "images_per_second")
+metrics_log = logging.getLogger("ddp.metrics")
 
 
-class MetricsFile:
-    """Appends one JSON object per logged step or epoch; flushed so `tail -f` works."""
+class Sink(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per line, line-buffered so `tail -f` and `ddp report` see it live."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the run
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+        self.file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self.file.close()
+
+
+class CsvSink:
+    """Fixed columns (blank where a record has no value): opens in any spreadsheet."""
+
+    def __init__(self, path: Path) -> None:
+        new = not path.exists() or path.stat().st_size == 0
+        self.file = open(path, "a", newline="", buffering=1)  # noqa: SIM115
+        self.writer = csv.DictWriter(self.file, CSV_COLUMNS, extrasaction="ignore")
+        if new:
+            self.writer.writeheader()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.writer.writerow(record)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    """Scalars as `<split>/<name>` against the global step, under `<run>/tensorboard/`."""
+
+    def __init__(self, folder: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def write(self, record: dict[str, Any]) -> None:
+        for name in SCALARS:
+            if isinstance(record.get(name), (int, float)):
+                self.writer.add_scalar(f"{record['split']}/{name}", record[name], record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A W&B run in the run dir; `mode = "offline"` needs no network (sync later)."""
+
+    def __init__(self, run_dir: Path, settings: Any, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise ConfigError("logging.wandb: the wandb package is not installed; "
+                              "pip install 'ddp-cli[wandb]' or remove [logging.wandb]") from e
+
+        self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
+                              name=settings.name or run_dir.name, dir=str(run_dir), config=config,
+                              tags=settings.tags, settings=wandb.Settings(silent=True))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.run.log({f"{record['split']}/{k}": record[k] for k in SCALARS
+                      if isinstance(record.get(k), (int, float))}, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class LoggingSink:
+    """Each record on the `ddp.metrics` logger (as `extra={"metrics": ...}`) for user handlers."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        metrics_log.debug("metrics %s", json.dumps(record), extra={"metrics": record})
+
+    def close(self) -> None:
+        pass
+
+
+class Sinks:
+    """The fan-out the trainer writes to; stamps each record with the wall time."""
+
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = sinks
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {**record, "time": round(time.time(), 3)}
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def build_sinks(cfg: LoggingConfig, run_dir: Path, config: dict[str, Any]) -> Sinks:
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), CsvSink(run_dir / "metrics.csv"),
+                         LoggingSink()]
+    if cfg.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    if cfg.wandb:
+        sinks.append(WandbSink(run_dir, cfg.wandb, config))
+    return Sinks(sinks)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

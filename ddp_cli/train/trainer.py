@@ -26,7 +26,7 @@ from ddp_cli.distributed.reduce import register_reduction
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.errors import ConfigError, DataError, DivergedError
 from ddp_cli.observe.console import RunConsole
-from ddp_cli.observe.sinks import MetricsFile
+from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.train.checkpoint import save_checkpoint
 from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.optim import build_optimizer
@@ -112,7 +112,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.train.precision == "fp16")
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
         self.state = RunState()
-        self.metrics = MetricsFile(run_dir / "metrics.jsonl") if ctx.is_main else None
+        self.metrics = build_sinks(cfg.logging, run_dir, cfg.model_dump(mode="json")) if ctx.is_main else None
 
     def fit(self) -> dict[str, Any]:
         cfg, images_seen, train_seconds = self.cfg, 0, 0.0
@@ -244,3 +244,9 @@ class Trainer:
     def log(self, record: dict[str, Any]) -> None:
         if self.metrics:
             self.metrics.write(record)
+
+    def close(self) -> None:
+        """Stop the live view; flush and close the metrics sinks (W&B finishes its run here)."""
+        self.console.close()
+        if self.metrics:
+            self.metrics.close()

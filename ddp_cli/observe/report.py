@@ -1,0 +1,82 @@
+"""`ddp report`: a run's curves as one PNG and a short summary, even while it is still running."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from ddp_cli.errors import ConfigError
+from ddp_cli.observe.sinks import read_metrics
+
+
+def load_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(train records, val records) from the run's metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no metrics.jsonl; give a run directory made by `ddp train`")
+    records = read_metrics(path)
+    return ([r for r in records if r.get("split") == "train"],
+            [r for r in records if r.get("split") == "val"])
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    train, val = load_records(run_dir)
+    best = max(val, key=lambda r: r["top1"], default=None)
+    last = val[-1] if val else {}
+    rates = [r["images_per_second"] for r in train if r.get("images_per_second")]
+    return {
+        "run_dir": str(run_dir),
+        "finished": (run_dir / "result.json").is_file(),
+        "epochs_done": len(val),
+        "steps": train[-1]["step"] if train else 0,
+        "last_train_loss": train[-1]["loss"] if train else None,
+        "last_lr": train[-1]["lr"] if train else None,
+        "top1": last.get("top1"),
+        "top5": last.get("top5"),
+        "val_loss": last.get("loss"),
+        "best_top1": best["top1"] if best else None,
+        "best_epoch": best["epoch"] if best else None,
+        "images_per_second": median(rates) if rates else None,
+    }
+
+
+def figure(run_dir: Path):
+    """Loss, accuracy, LR and throughput in a 2x2 matplotlib figure (headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, val = load_records(run_dir)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
+    (loss_ax, acc_ax), (lr_ax, speed_ax) = axes
+    steps = [r["step"] for r in train]
+    loss_ax.plot(steps, [r["loss"] for r in train], label="train (epoch running mean)")
+    loss_ax.plot([r["step"] for r in val], [r["loss"] for r in val], "o-", label="val")
+    loss_ax.set(title="loss", xlabel="step", yscale="log")
+    epochs = [r["epoch"] for r in val]
+    acc_ax.plot(epochs, [r["top1"] for r in val], "o-", label="top-1")
+    acc_ax.plot(epochs, [r["top5"] for r in val], "s--", label="top-5")
+    acc_ax.set(title="validation accuracy", xlabel="epoch", ylim=(0, 1.02))
+    acc_ax.xaxis.get_major_locator().set_params(integer=True)
+    lr_ax.plot(steps, [r["lr"] for r in train])
+    lr_ax.set(title="learning rate", xlabel="step")
+    speed_ax.plot(steps, [r["images_per_second"] for r in train])
+    speed_ax.set(title="training images/s (all ranks)", xlabel="step", ylim=(0, None))
+    for ax in (loss_ax, acc_ax):
+        ax.legend()
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.suptitle(run_dir.name)
+    return fig
+
+
+def plot(run_dir: Path, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = figure(run_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
