@@ -11,12 +11,15 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 try:  # typer >= 0.20 vendors its own click
@@ -31,6 +34,8 @@ app = typer.Typer(no_args_is_help=True, help="Train image classifiers data-paral
                   "torch.distributed from one TOML file.", rich_markup_mode="markdown")
 datasets_app = typer.Typer(no_args_is_help=True, help="Inspect the data set registry (data.toml).")
 app.add_typer(datasets_app, name="datasets")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results and exact commands: BENCHMARKS.md).")
+app.add_typer(bench_app, name="bench")
 err = Console(stderr=True)
 log = logging.getLogger("ddp")
 
@@ -48,7 +53,7 @@ def exits(command: Callable) -> Callable:
             command(*args, **kwargs)
         except DdpError as e:
             if str(e):
-                err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+                err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
@@ -56,7 +61,7 @@ def exits(command: Callable) -> Callable:
             if os.environ.get("DDP_DEBUG") == "1":
                 raise
             err.print(f"[red]internal error (a bug; DDP_DEBUG=1 shows the traceback):[/red] "
-                      f"{type(e).__name__}: {e}", highlight=False, soft_wrap=True)
+                      f"{type(e).__name__}: {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(INTERNAL) from None
 
     return wrapper
@@ -84,6 +89,10 @@ def root(
     level = logging.DEBUG if verbose else logging.INFO
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     os.environ.setdefault("DDP_LOG_LEVEL", logging.getLevelName(level))
+    # torch.distributed.elastic sets its loggers' levels from $LOGLEVEL when imported: keep its
+    # chatter (and C++ stack dumps of errors we report in one line) for --verbose
+    os.environ.setdefault("LOGLEVEL", "DEBUG" if verbose else "CRITICAL")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if verbose else "FATAL")
 
 
 @app.command()
@@ -117,10 +126,10 @@ def train(
     * `ddp train cfg.toml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --rdzv-id job1`
     """
     from ddp_cli import commands
-    from ddp_cli.distributed.launch import LaunchOptions
+    from ddp_cli.distributed.launch import LaunchOptions, with_environment
 
-    opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, max_restarts,
-                         verbose=logging.getLogger().level <= logging.DEBUG)
+    opts = with_environment(LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id,
+                                          max_restarts))
     if dry_run:
         result = commands.plan(config, set_ or [], registry, opts)
         emit(result, as_json, lambda: print_mapping("plan", result))
@@ -181,6 +190,113 @@ def datasets_list(registry: RegistryOpt = None, as_json: JsonOpt = False) -> Non
     emit(rows, as_json, human)
 
 
+DatasetArg = Annotated[str, typer.Argument(help="A data set name in the registry.")]
+
+
+@datasets_app.command("show")
+@exits
+def datasets_show(name: DatasetArg, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
+    """Show a data set: its registry entry, split sizes and classes.
+
+    Examples:
+
+    * `ddp datasets show demo`
+    * `ddp datasets show imagenet_s3 --json | jq .splits`
+    """
+    from ddp_cli import commands
+
+    result = commands.datasets_show(name, registry)
+
+    def human() -> None:
+        entry = {k: v for k, v in result.items() if k not in ("splits", "classes", "storage")}
+        print_mapping(name, entry | {f"storage.{k}": v for k, v in result["storage"].items()})
+        print_splits(result["splits"])
+        classes = Table("label", "synset", "description", title=f"{len(result['classes'])} classes",
+                        title_justify="left")
+        for row in result["classes"][:10]:
+            classes.add_row(str(row["index"]), row["synset"], row["description"])
+        if len(result["classes"]) > 10:
+            classes.add_row("...", f"{len(result['classes']) - 10} more", "(--json lists all)")
+        Console().print(classes)
+
+    emit(result, as_json, human)
+
+
+@datasets_app.command("check")
+@exits
+def datasets_check(
+    name: DatasetArg,
+    split: Annotated[str, typer.Option(help="train | val | all")] = "all",
+    workers: Annotated[int | None, typer.Option(min=1, help="Threads reading and decoding "
+                                                "(default 4 per CPU, at most 32).")] = None,
+    registry: RegistryOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Read and decode every image of a split; list every bad file and why. Exit 3 if any.
+
+    Reasons: missing file (named in the listing/CSV), unreadable, not an image, truncated,
+    corrupt, unknown synset.
+
+    Examples:
+
+    * `ddp datasets check demo`
+    * `ddp datasets check imagenet_s3 --split val --workers 32 --json`
+    """
+    from ddp_cli import commands
+    from ddp_cli.errors import ConfigError, DataError
+
+    if split not in ("train", "val", "all"):
+        raise ConfigError(f"--split {split}: use train, val or all")
+    with progress_bar(err.is_terminal and not as_json, f"checking {name}") as progress:
+        result = commands.datasets_check(name, registry, split, workers, progress)
+
+    def human() -> None:
+        print_splits(result["splits"])
+        if result["bad_files"]:
+            table = Table(title=f"{len(result['bad_files'])} bad files under {result['root']}",
+                          title_justify="left")
+            table.add_column("path", overflow="fold")  # whole paths, wrapped, never cut
+            table.add_column("reason", overflow="fold")
+            for bad in result["bad_files"]:
+                table.add_row(bad["path"], bad["reason"])
+            Console().print(table)
+        else:
+            Console().print(f"[green]no bad files[/] ({result['seconds']:.1f} s)")
+
+    emit(result, as_json, human)
+    if result["bad_files"]:
+        raise DataError(f"{len(result['bad_files'])} bad file(s) in data set {name!r}; fix or remove "
+                        'them, or train with data.on_bad_image = "skip"')
+
+
+@bench_app.command("data")
+@exits
+def bench_data(
+    name: DatasetArg,
+    split: Annotated[str, typer.Option(help="train | val: whose files to read.")] = "train",
+    workers: Annotated[int, typer.Option(min=0, help="DataLoader processes, for both pipelines.")] = 4,
+    seconds: Annotated[float, typer.Option(min=1, help="Timed seconds, split over both pipelines.")] = 20,
+    batch_size: Annotated[int, typer.Option(min=1, help="Images per batch.")] = 32,
+    image_size: Annotated[int, typer.Option(min=8, help="Training crop side.")] = 224,
+    registry: RegistryOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Images/s of the training input pipeline vs a plain torchvision loader, same files and workers.
+
+    Examples:
+
+    * `ddp bench data demo --workers 2 --seconds 10`
+    * `ddp bench data imagenet_local --workers 8 --json`
+    """
+    from ddp_cli.bench.data import bench_data as run
+    from ddp_cli.errors import ConfigError
+
+    if split not in ("train", "val"):
+        raise ConfigError(f"--split {split}: use train or val")
+    result = run(name, registry, split, workers, seconds, batch_size, image_size)
+    emit(result, as_json, lambda: print_bench(result))
+
+
 @app.command()
 @exits
 def report(
@@ -209,6 +325,35 @@ def print_mapping(title: str, result: dict[str, Any]) -> None:
     Console().print(table)
 
 
+def print_splits(splits: dict[str, dict[str, int]]) -> None:
+    table = Table("split", "images", "classes")
+    for split, counts in splits.items():
+        table.add_row(split, str(counts["images"]), str(counts["classes"]))
+    Console().print(table)
+
+
+def print_bench(result: dict[str, Any]) -> None:
+    """Every bench the same way: its `rows` as a table, then the other keys (see ddp_cli/bench)."""
+    rows = result["rows"]
+    table = Table(*rows[0], title=f"bench {result['bench']}", title_justify="left")
+    for row in rows:
+        table.add_row(*(_fmt(v) for v in row.values()))
+    Console().print(table)
+    print_mapping("set-up and result", {k: v for k, v in result.items() if k not in ("bench", "rows")})
+
+
+@contextmanager
+def progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich bar on stderr (TTY only); yields `update(done, total)`, or None when disabled."""
+    if not enabled:
+        yield None
+        return
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
 def print_train_summary(result: dict[str, Any]) -> None:
     final = result["final"]
     Console().print(
@@ -235,7 +380,7 @@ def main() -> None:
         code = 0
     except UsageError as e:
         command = e.ctx.command_path if e.ctx else "ddp"
-        err.print(f"[red]error:[/red] {e.format_message()} (see `{command} --help`)",
+        err.print(f"[red]error:[/red] {escape(e.format_message())} (see `{command} --help`)",
                   highlight=False, soft_wrap=True)
         code = USAGE
     except (typer.Abort, KeyboardInterrupt):

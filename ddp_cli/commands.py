@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from ddp_cli.config import RunConfig, config_from_dict, load_config
 from ddp_cli.data.layouts import IndexTable, build_index
@@ -16,10 +18,10 @@ from ddp_cli.distributed.setup import setup
 from ddp_cli.distributed.worker import run_job
 from ddp_cli.errors import ConfigError, WorkerFailed
 from ddp_cli.jobs import Job, prepare_job, read_result
-from ddp_cli.models import build_model, count_parameters
+from ddp_cli.models import check_model
 from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.train.checkpoint import load_checkpoint
-from ddp_cli.train.schedules import lr_factor
+from ddp_cli.train.plan import describe
 
 
 def resolve_dataset(
@@ -34,6 +36,16 @@ def resolve_dataset(
             raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "
                               "(check data.classes and the root)")
     return entry, index
+
+
+def checked_model(cfg: RunConfig, index: IndexTable) -> nn.Module:
+    """Prove the model fits the run before any worker starts (`models.check_model`).
+
+    `model.weights` becomes absolute: workers and later resumes may start elsewhere.
+    """
+    if cfg.model.weights:
+        cfg.model.weights = str(Path(cfg.model.weights).expanduser().resolve())
+    return check_model(cfg, len(index.classes))
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -57,6 +69,7 @@ def train(config: Path, overrides: list[str], registry: str | None, run_dir: Pat
     if external_launcher():
         return train_under_torchrun(cfg, registry, run_dir, resume, quiet)
     entry, index = resolve_dataset(cfg, registry)
+    checked_model(cfg, index)
     run_dir = (run_dir or default_run_dir(cfg)).resolve()
     nproc = resolve_nproc(opts, cfg.distributed)
     checkpoint = resume_from(resume, run_dir)
@@ -72,6 +85,7 @@ def train_under_torchrun(cfg: RunConfig, registry: str | None, run_dir: Path | N
     folder = [None]
     if ctx.is_main:
         entry, index = resolve_dataset(cfg, registry)
+        checked_model(cfg, index)
         folder[0] = str((run_dir or default_run_dir(cfg)).resolve())
         checkpoint = resume_from(resume, Path(folder[0]))
         prepare_job(Path(folder[0]), cfg, entry, index, Job("train", quiet, checkpoint))
@@ -86,33 +100,11 @@ def plan(config: Path, overrides: list[str], registry: str | None,
          opts: LaunchOptions) -> dict[str, Any]:
     """--dry-run: everything `train` would do up to starting workers."""
     cfg = load_config(config, overrides)
-    entry, index = resolve_dataset(cfg, registry)
+    _, index = resolve_dataset(cfg, registry)
+    model = checked_model(cfg, index)
     nproc = resolve_nproc(opts, cfg.distributed)
-    world = nproc * opts.nnodes
-    global_batch = world * cfg.data.batch_size * cfg.train.grad_accum
-    train_images = len(index.splits["train"])
-    steps = train_images // world // cfg.data.batch_size // cfg.train.grad_accum
-    if cfg.train.max_steps_per_epoch:
-        steps = min(steps, cfg.train.max_steps_per_epoch)
-    lr = cfg.optim.effective_lr(global_batch)
-    factor = lr_factor(cfg.schedule, max(steps, 1), max(steps, 1) * cfg.train.epochs)
-    preview = {f"epoch {e}": lr * factor(e * steps) for e in
-               sorted({0, 1, cfg.train.epochs // 4, cfg.train.epochs // 2, cfg.train.epochs - 1})}
-    return {
-        "name": cfg.name,
-        "dataset": entry.name,
-        "classes": len(index.classes),
-        "splits": {s: len(f) for s, f in index.splits.items()},
-        "model": cfg.model.name,
-        "parameters": count_parameters(build_model(cfg.model, len(index.classes))),
-        "world_size": world,
-        "nproc_per_node": nproc,
-        "global_batch": global_batch,
-        "steps_per_epoch": steps,
-        "epochs": cfg.train.epochs,
-        "lr": lr,
-        "lr_schedule": preview,
-    }
+    return describe(cfg, model, {s: len(f) for s, f in index.splits.items()}, len(index.classes),
+                    nproc, opts.nnodes)
 
 
 def validate(checkpoint: Path, config: Path | None, dataset: str | None, registry: str | None,
@@ -142,3 +134,27 @@ def datasets_list(registry: str | None) -> list[dict[str, Any]]:
          "layout": d.layout, "description": d.description}
         for d in load_registry(registry).datasets
     ]
+
+
+def datasets_show(name: str, registry: str | None) -> dict[str, Any]:
+    """The registry entry (no credentials: the registry holds none) and what its index holds."""
+    entry = load_registry(registry).get(name)
+    fs, root = entry.open()
+    index = build_index(fs, root, entry.layout)
+    return {
+        **entry.model_dump(mode="json", exclude_none=True, exclude={"storage"}),
+        "storage": entry.storage.model_dump(mode="json", exclude_defaults=True),
+        "splits": {split: {"images": len(frame), "classes": int(frame["label"].nunique())}
+                   for split, frame in index.splits.items()},
+        "classes": [{"index": i, "synset": synset, "description": text}
+                    for i, (synset, text) in enumerate(zip(index.classes, index.descriptions, strict=True))],
+    }
+
+
+def datasets_check(name: str, registry: str | None, split: str, workers: int | None,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """`check_dataset` on the registry entry; `split` is train, val or all."""
+    from ddp_cli.data.check import check_dataset
+
+    splits = ("train", "val") if split == "all" else (split,)
+    return check_dataset(load_registry(registry).get(name), splits, workers, progress)

@@ -6,13 +6,22 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ddp_cli.errors import ConfigError, did_you_mean
 
@@ -43,28 +52,99 @@ class DataConfig(Section):
         0.08, gt=0, le=1, description="Smallest area fraction of RandomResizedCrop."
     )
     hflip: bool = Field(True, description="Random horizontal flips in training.")
+    cache_dir: str | None = Field(
+        None, description="Remote (S3) roots: keep each image read under this local folder "
+        "(~ and $VARS expand), so later epochs and runs read the disk, not the bucket. "
+        "Unset = no cache; ignored for local roots.",
+    )
+    val_image_size: int | None = Field(
+        None, ge=8, description="Validation crop side (unset = image_size). Testing above the train "
+        "size gains accuracy (FixRes, Touvron et al. 2019).",
+    )
+    min_image_size: int | None = Field(
+        None, ge=8, description="Progressive resizing: the train crop of the first epochs (unset = "
+        "off), raised to image_size over ramp_epochs in steps of 32 px (FFCV's rule).",
+    )
+    ramp_epochs: list[float] = Field(
+        [0, 0], description="Progressive resizing: [start, end] epochs of the ramp from "
+        "min_image_size to image_size.",
+    )
+
+    @field_validator("ramp_epochs")
+    @classmethod
+    def _ramp_in_order(cls, value: list[float]) -> list[float]:
+        if len(value) != 2 or not 0 <= value[0] <= value[1]:
+            raise ValueError("expected [start, end] with 0 <= start <= end")
+        return value
+
+    @model_validator(mode="after")
+    def _min_below_final(self) -> DataConfig:
+        if self.min_image_size is not None and self.min_image_size > self.image_size:
+            raise ValueError(f"min_image_size {self.min_image_size} is above image_size "
+                             f"{self.image_size}; progressive resizing only grows the crop")
+        return self
+
+    def train_size(self, epoch: int) -> int:
+        """The train crop side in 0-based `epoch`: min_image_size until the ramp starts,
+        image_size from its end, in between the interpolation rounded to 32 px (as FFCV)."""
+        low, (start, end) = self.min_image_size, self.ramp_epochs
+        if low is None or epoch >= end:
+            return self.image_size
+        if epoch <= start:
+            return low
+        between = low + (self.image_size - low) * (epoch - start) / (end - start)
+        return min(self.image_size, max(low, round(between / 32) * 32))
+
+    def sizes(self, epochs: int) -> set[int]:
+        """Every input side the model meets: each epoch's train crop and the val crop."""
+        return {self.train_size(e) for e in range(epochs)} | {self.val_image_size or self.image_size}
 
 
 class ModelConfig(Section):
     name: str = Field("resnet18", description="A torchvision classification model or 'resnet_tiny'.")
     channels_last: bool = Field(False, description="NHWC memory format (faster convs on CPU/GPU).")
     sync_batchnorm: bool = Field(False, description="Synchronise BatchNorm statistics across ranks.")
+    weights: str | None = Field(
+        None, description="Initial weights from a local file: a state dict or a ddp checkpoint "
+        "(loaded with weights_only=True; nothing is downloaded).",
+    )
+    new_head: bool = Field(
+        False, description="With weights: start a fresh classifier when the file's class count "
+        "differs (fine-tuning); otherwise that is an error.",
+    )
 
 
 class OptimConfig(Section):
-    name: Literal["sgd", "adamw"] = Field("sgd", description="Optimiser.")
+    name: Literal["sgd", "adamw", "lars", "lamb"] = Field(
+        "sgd", description="Optimiser; lars and lamb adapt each layer's step for very large batches."
+    )
     lr: float | None = Field(None, gt=0, description="Absolute learning rate (overrides lr_per_256).")
     lr_per_256: float = Field(
         0.1, gt=0, description="Learning rate per 256 images of global batch "
         "(world size x batch x grad_accum); used when lr is unset.",
     )
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD and LARS momentum.")
     nesterov: bool = Field(False, description="Nesterov momentum for SGD.")
     weight_decay: float = Field(1e-4, ge=0, description="L2 weight decay.")
     decay_norm_and_bias: bool = Field(
         False, description="Also decay BatchNorm/LayerNorm weights and biases."
     )
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
+    betas: list[float] = Field([0.9, 0.999], description="AdamW and LAMB moment decay rates [beta1, beta2].")
+    trust_coefficient: float = Field(
+        0.001, gt=0, description="LARS: eta, the trust ratio's scale (You et al. 2017)."
+    )
+    grad_clip: float = Field(
+        0.0, ge=0, description="Clip the global gradient norm to this (0 = off); fp16 gradients are "
+        "unscaled first.",
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _two_rates(cls, value: list[float]) -> list[float]:
+        if len(value) != 2 or not all(0 <= b < 1 for b in value):
+            raise ValueError("expected [beta1, beta2], each in [0, 1)")
+        return value
 
     def effective_lr(self, global_batch: int) -> float:
         return self.lr if self.lr is not None else self.lr_per_256 * global_batch / 256
@@ -93,6 +173,11 @@ class TrainConfig(Section):
     )
     grad_accum: int = Field(1, ge=1, description="Micro-steps per optimisation step.")
     max_steps_per_epoch: int = Field(0, ge=0, description="Cap on steps per epoch (0 = whole epoch).")
+    compile: bool = Field(False, description="torch.compile the training forward/backward (slow start).")
+    ema_decay: float = Field(
+        0.0, ge=0, lt=1, description="EMA of the weights, updated every step (0 = off; e.g. 0.9998); "
+        "validated each epoch as final_ema.",
+    )
 
 
 class CheckpointConfig(Section):
@@ -112,7 +197,21 @@ class DistributedConfig(Section):
         "mean", description="Gradient reduction (DDP comm hook); only mean equals single-process."
     )
     bucket_cap_mb: float = Field(25, gt=0, description="DDP gradient bucket size, MiB.")
+    gradient_as_bucket_view: bool = Field(
+        True, description="Gradients alias DDP's buckets (saves a copy and memory)."
+    )
+    static_graph: bool = Field(
+        False, description="Tell DDP the graph is the same every step (enables its optimisations)."
+    )
+    powersgd_rank: int = Field(1, ge=1, description="powersgd: rank of the gradient approximation.")
+    powersgd_warmup_steps: int | None = Field(
+        None, ge=2, description="powersgd: exact all-reduce steps before compressing (unset = 10% of "
+        "the run, at most 1000).",
+    )
     timeout_s: int = Field(600, ge=1, description="Collective timeout; a dead rank ends all by then.")
+    rdzv_timeout_s: int = Field(
+        120, ge=1, description="How long nodes wait for each other (and for the endpoint) to rendezvous."
+    )
     max_restarts: int = Field(0, ge=0, description="Elastic restarts of the worker group on failure.")
 
 
@@ -145,6 +244,13 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _static_graph_alone(self) -> RunConfig:
+        if self.distributed.static_graph and self.train.grad_accum > 1:
+            raise ValueError("distributed.static_graph: DDP fails with it under no_sync, i.e. with "
+                             "train.grad_accum > 1 (pytorch/pytorch#143580); drop one of the two")
+        return self
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
@@ -245,6 +351,7 @@ def reference_markdown() -> str:
                 continue
             default = field.get_default(call_default_factory=True)
             shown = ("required" if field.is_required() else "unset" if default is None
+                     else json.dumps(default) if isinstance(default, list)  # inline, as TOML allows
                      else tomli_w.dumps({"v": default})[4:].strip())
             lines.append(f"| `{prefix}{name}` | `{shown}` | {field.description} |")
 

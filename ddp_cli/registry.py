@@ -7,6 +7,7 @@ resolve against the registry file's folder; `~` and `$VARS` expand.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 import uuid as uuidlib
 from pathlib import Path
@@ -104,11 +105,14 @@ def load_registry(explicit: str | Path | None = None) -> Registry:
     if not isinstance(items, list):
         raise ConfigError(f"{path}: datasets must be an array of tables, written [[datasets]]")
     entries = [_parse_entry(path, i, item) for i, item in enumerate(items)]
-    seen: set[str] = set()
-    for entry in entries:
-        if entry.name in seen:
-            raise ConfigError(f"{path}: data set name {entry.name!r} appears twice; names must be unique")
-        seen.add(entry.name)
+    for key in ("name", "uuid"):
+        first: dict[Any, int] = {}
+        for i, entry in enumerate(entries):
+            value = getattr(entry, key)
+            if value is not None and value in first:
+                raise ConfigError(f"{path}: datasets[{i}] ({entry.name!r}): {key} {str(value)!r} appears "
+                                  f"twice (also datasets[{first[value]}]); each data set needs its own")
+            first.setdefault(value, i)
     return Registry(path=path, datasets=entries)
 
 
@@ -119,9 +123,22 @@ def _parse_entry(path: Path, index: int, item: Any) -> DatasetEntry:
         entry = DatasetEntry.model_validate(item)
     except ValidationError as e:
         raise ConfigError(f"{label}: {describe_validation_error(e, DatasetEntry)}") from e
-    if entry.storage.driver == "FileSystem":
-        local = Path(os.path.expandvars(os.path.expanduser(entry.storage.path)))
-        entry.storage.path = str((path.parent / local).resolve())
-    elif not entry.storage.path.startswith("s3://"):
-        raise ConfigError(f"{label}: storage.path must start with s3:// for driver S3")
+    storage = entry.storage
+    storage.path = _expand(storage.path, f"{label}: storage.path")
+    if storage.endpoint_url:
+        storage.endpoint_url = _expand(storage.endpoint_url, f"{label}: storage.endpoint_url")
+    if storage.driver == "FileSystem":
+        storage.path = str((path.parent / storage.path).resolve())
+    elif not storage.path.startswith("s3://") or not storage.path[5:].strip("/"):
+        raise ConfigError(f"{label}: storage.path must be s3://BUCKET or s3://BUCKET/PREFIX for driver S3")
     return entry
+
+
+def _expand(value: str, where: str) -> str:
+    """`~` and `$VARS`/`${VARS}`; a variable that is not set is an error, not a literal `$X`."""
+    expanded = os.path.expandvars(os.path.expanduser(value))
+    missing = re.search(r"\$(\w+|\{\w+\})", expanded)
+    if missing:
+        raise ConfigError(f"{where}: environment variable {missing.group(0)} is not set; set it or "
+                          "write the path out")
+    return expanded

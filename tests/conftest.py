@@ -170,7 +170,8 @@ class LiveRun:
 
     def wait(self, timeout: float = TIMEOUT) -> int:
         try:
-            self.stdout = self.proc.communicate(timeout=timeout)[0]
+            self.proc.wait(timeout=timeout)  # not communicate(): the reader thread owns stderr
+            self.stdout = self.proc.stdout.read()
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail(f"ddp did not exit in {timeout}s:\n{''.join(self.lines)[-3000:]}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -65,3 +66,32 @@ def make_imagefolder(root: Path, classes: int = 3, per_class: int = 4, size: int
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(count):
                 image(hash((split, c, i)) % 10**6, c, size).save(folder / f"img_{i}.jpg")
+
+
+def encoded(img: Image.Image, fmt: str = "JPEG") -> bytes:
+    buffer = io.BytesIO()
+    img.save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def plant(root: Path, path: str, kind: str, label: int = 0, seed: int = 7) -> None:
+    """Overwrite `root/path` with one of real ImageNet's oddities or faults.
+
+    Oddities that must train: "cmyk" and "gray" JPEGs, "png" (a PNG named .JPEG).
+    Faults: "truncated" (60% of a JPEG), "garbage" (not an image), "corrupt" (a PNG with zeroed
+    compressed data), "missing" (deleted).
+    """
+    target = root / path
+    img = image(seed, label)
+    content = {
+        "cmyk": lambda: encoded(img.convert("CMYK")),
+        "gray": lambda: encoded(img.convert("L")),
+        "png": lambda: encoded(img, "PNG"),
+        "truncated": lambda: encoded(img)[: len(encoded(img)) * 6 // 10],
+        "garbage": lambda: b"this is not an image\n" * 4,
+        "corrupt": lambda: (lambda png: png[:100] + b"\x00" * 30 + png[130:])(encoded(img, "PNG")),
+    }
+    if kind == "missing":
+        target.unlink()
+    else:
+        target.write_bytes(content[kind]())

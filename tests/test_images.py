@@ -10,11 +10,19 @@ import pandas as pd
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import default_collate
 from torchvision.transforms import CenterCrop, RandomResizedCrop, Resize
 
-from ddp_cli.data.images import BadImage, decode_rgb, open_image, shrink_on_decode
-from ddp_cli.data.loaders import ImageDataset
-from ddp_cli.data.transforms import MEAN, STD, TrainTransform, ValTransform, to_model_input
+from ddp_cli.data.images import BadImage, decode, decode_rgb, open_image
+from ddp_cli.data.loaders import ImageDataset, requested, skipped_files
+from ddp_cli.data.transforms import (
+    MEAN,
+    STD,
+    TrainTransform,
+    ValTransform,
+    random_resized_crop,
+    to_model_input,
+)
 
 
 def encode(img: Image.Image, fmt: str, **options) -> bytes:
@@ -30,6 +38,11 @@ def gradient(width: int = 400, height: int = 300) -> Image.Image:
     g = y * 255 / (height - 1)
     b = 128 + 100 * np.sin(x / 23) * np.cos(y / 17)
     return Image.fromarray(np.stack([r, g, b], -1).round().astype(np.uint8), "RGB")
+
+
+def pil_rgb(data: bytes) -> Image.Image:
+    """The reference decoder: plain PIL, full size."""
+    return Image.open(io.BytesIO(data)).convert("RGB")
 
 
 ADAPTIVE = Image.Palette.ADAPTIVE  # exact colours, no dithering to the web palette
@@ -48,8 +61,8 @@ ODDITIES = {
 def test_oddities_decode_to_rgb(name):
     data, colour = ODDITIES[name]
     img = decode_rgb(data)
-    assert img.mode == "RGB"
-    pixels = np.asarray(img).reshape(-1, 3).astype(int)
+    assert img.dtype == torch.uint8 and img.shape[-1] == 3
+    pixels = img.numpy().reshape(-1, 3).astype(int)
     assert np.abs(pixels - colour).max() <= 3, pixels[:3]
 
 
@@ -71,7 +84,7 @@ def test_png_named_jpeg_loads_through_the_dataset(tmp_path):
     table = pd.DataFrame({"path": ["n0/x.JPEG"], "label": [4]})
     dataset = ImageDataset(fsspec.filesystem("file"), str(tmp_path), table, ValTransform(8, 10))
     image, label, skipped, error = dataset[0]
-    assert (error, label, skipped) == ("", 4, 0)
+    assert (error, label, skipped) == ("", 4, "")
     assert tuple(image.shape) == (8, 8, 3)
     assert (image[..., 2] > 190).all()
 
@@ -87,6 +100,32 @@ def test_truncated_jpeg_is_reported_as_truncated():
         TrainTransform(32)(open_image(cut))
 
 
+@pytest.mark.parametrize(("name", "fast"), [("cmyk-jpeg", False), ("gray-jpeg", True), ("rgba-png", False)])
+def test_fast_decoder_only_for_jpegs_it_turns_into_rgb_itself(name, fast):
+    assert open_image(ODDITIES[name][0]).fast is fast
+
+
+def test_colour_jpeg_takes_the_fast_path_and_matches_pil():
+    data = encode(gradient(300, 200), "JPEG", quality=90)
+    img = open_image(data)
+    assert img.fast and img.size == (300, 200)
+    ours = decode_rgb(data).numpy().astype(int)
+    assert np.abs(ours - np.asarray(pil_rgb(data), dtype=int)).max() <= 2
+
+
+def test_progressive_jpeg_decodes_and_scales():
+    data = encode(gradient(320, 240), "JPEG", quality=90, progressive=True)
+    pixels, k = decode(open_image(data), 80, 60)
+    assert k == pytest.approx(0.25) and tuple(pixels.shape) == (60, 80, 3)
+
+
+def test_harmless_libjpeg_warning_falls_back_to_pil_instead_of_failing():
+    """Real ImageNet has JPEGs with "extraneous bytes before marker": PIL reads them fine."""
+    good = encode(gradient(64, 48), "JPEG", quality=90)
+    odd = good[:-2] + b"\x00" * 10 + good[-2:]
+    assert torch.equal(decode_rgb(odd), torch.from_numpy(np.asarray(pil_rgb(good)).copy()))
+
+
 @pytest.mark.parametrize("data", [b"hello, not an image\n" * 10, b"", b"\x00" * 64])
 def test_non_image_is_reported_as_not_an_image(data):
     with pytest.raises(BadImage, match="^not an image$"):
@@ -96,10 +135,10 @@ def test_non_image_is_reported_as_not_an_image(data):
 def test_val_transform_with_draft_matches_full_decode():
     data = encode(gradient(400, 300), "JPEG", quality=95)
     size, resize = 64, 73
-    probe = open_image(data)
-    assert shrink_on_decode(probe, 98, 73) == pytest.approx(0.25)  # the draft path is really taken
+    pixels, k = decode(open_image(data), 98, 73)
+    assert k == pytest.approx(0.25) and tuple(pixels.shape) == (75, 100, 3)  # DCT scaling is really used
     ours = ValTransform(size, resize)(open_image(data)).numpy().astype(float)
-    reference = CenterCrop(size)(Resize(resize)(decode_rgb(data)))
+    reference = CenterCrop(size)(Resize(resize)(pil_rgb(data)))
     diff = np.abs(ours - np.asarray(reference, dtype=float))
     assert ours.shape == (size, size, 3)
     assert diff.mean() < 8, diff.mean()
@@ -107,15 +146,33 @@ def test_val_transform_with_draft_matches_full_decode():
 
 def test_train_transform_with_draft_crops_the_same_region():
     data = encode(gradient(800, 600), "JPEG", quality=95)
-    full = decode_rgb(data)
+    full = pil_rgb(data)
     for seed in range(5):
         torch.manual_seed(seed)
         ours = TrainTransform(32, min_scale=0.5, hflip=False)(open_image(data)).numpy().astype(float)
         torch.manual_seed(seed)
-        top, left, h, w = RandomResizedCrop.get_params(full, [0.5, 1.0], [3 / 4, 4 / 3])
+        top, left, h, w = random_resized_crop(800, 600, (0.5, 1.0), (3 / 4, 4 / 3))
+        assert max(w, h) > 400  # so the decoder really shrinks the image (1/2 scale)
         reference = full.resize((32, 32), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
         diff = np.abs(ours - np.asarray(reference, dtype=float))
         assert diff.mean() < 4, (seed, diff.mean())  # a 20-pixel misplacement gives ~12
+
+
+@pytest.mark.parametrize(("width", "height"), [(500, 375), (300, 500), (60, 2000)])
+def test_random_resized_crop_draws_like_torchvision(width, height):
+    """Same distribution of crops as torchvision's get_params (means over many draws)."""
+    def stats(draw) -> np.ndarray:
+        torch.manual_seed(0)
+        boxes = np.array([draw() for _ in range(3000)], dtype=float)  # top, left, h, w
+        assert (boxes[:, 2] >= 1).all() and (boxes[:, 0] + boxes[:, 2] <= height).all()
+        assert (boxes[:, 3] >= 1).all() and (boxes[:, 1] + boxes[:, 3] <= width).all()
+        return np.array([boxes[:, 2].mean(), boxes[:, 3].mean(), boxes[:, 0].mean(), boxes[:, 1].mean(),
+                         (boxes[:, 2] * boxes[:, 3]).mean() / (width * height)])
+
+    shape = torch.empty(1, 1, 1).expand(1, height, width)
+    theirs = stats(lambda: RandomResizedCrop.get_params(shape, [0.08, 1.0], [3 / 4, 4 / 3]))
+    ours = stats(lambda: random_resized_crop(width, height, (0.08, 1.0), (3 / 4, 4 / 3)))
+    np.testing.assert_allclose(ours, theirs, rtol=0.05)
 
 
 def test_train_transform_flips_when_asked():
@@ -148,15 +205,25 @@ def test_skip_policy_replaces_a_bad_file_and_counts_it(mixed_folder):
     root, table = mixed_folder
     dataset = ImageDataset(fsspec.filesystem("file"), str(root), table, ValTransform(16, 18),
                            on_bad_image="skip", out_size=16)
-    for index in (1, 3):  # a corrupt file, a missing file
+    for index, name in ((1, "bad.JPEG"), (3, "gone.JPEG")):  # a corrupt file, a missing file
         image, label, skipped, error = dataset[index]
         assert error == ""
-        assert skipped > 0
+        assert skipped == f"{root}/{name}"  # names the file it stands in for
         assert tuple(image.shape) == (16, 16, 3)
         assert image[..., 0].float().mean() > 150  # a real (red) image, not the blank
-        replacement = (index + skipped * 7919) % len(table)
+        replacement = (index + 7919) % len(table)
         assert label == table["label"][replacement]
-    assert dataset[0][2] == 0
+    assert dataset[0][2] == ""
+
+
+def test_skipped_files_and_requested_mask_of_a_collated_batch(mixed_folder):
+    root, table = mixed_folder
+    dataset = ImageDataset(fsspec.filesystem("file"), str(root), table, ValTransform(16, 18),
+                           on_bad_image="skip", out_size=16)
+    _, _, skipped, errors = default_collate([dataset[i] for i in range(4)])
+    assert skipped_files(skipped) == [f"{root}/bad.JPEG", f"{root}/gone.JPEG"]
+    assert requested(skipped).tolist() == [True, False, True, False]
+    assert list(errors) == [""] * 4
 
 
 def test_error_policy_returns_the_message_naming_the_file(mixed_folder):
@@ -164,11 +231,12 @@ def test_error_policy_returns_the_message_naming_the_file(mixed_folder):
     dataset = ImageDataset(fsspec.filesystem("file"), str(root), table, ValTransform(16, 18),
                            on_bad_image="error", out_size=16)
     image, label, skipped, error = dataset[1]
-    assert error == f"{root}/bad.JPEG: not an image"
+    hint = '(set data.on_bad_image = "skip" to skip it)'
+    assert error == f"bad image {root}/bad.JPEG: not an image {hint}"
     assert label == 1
-    assert skipped == 0
+    assert skipped == ""
     assert tuple(image.shape) == (16, 16, 3)
-    assert dataset[3][3] == f"{root}/gone.JPEG: missing file"
+    assert dataset[3][3] == f"bad image {root}/gone.JPEG: missing file {hint}"
     assert dataset[0][3] == ""
 
 

@@ -109,6 +109,17 @@ def test_s3_entry_keeps_its_url(isolated):
     assert storage.endpoint_url == "http://127.0.0.1:9000"
 
 
+def test_s3_path_and_endpoint_expand_vars(isolated, monkeypatch):
+    monkeypatch.setenv("DDP_TEST_BUCKET", "team-bucket")
+    monkeypatch.setenv("DDP_TEST_PORT", "9000")
+    path = write_registry(isolated, [{"name": "s3", "layout": "imagenet-loc",
+                                      "storage": {"driver": "S3", "path": "s3://${DDP_TEST_BUCKET}/imagenet",
+                                                  "endpoint_url": "http://127.0.0.1:$DDP_TEST_PORT"}}])
+    storage = load_registry(path).get("s3").storage
+    assert storage.path == "s3://team-bucket/imagenet"
+    assert storage.endpoint_url == "http://127.0.0.1:9000"
+
+
 def write_raw(folder: Path, text: str) -> Path:
     path = folder / "data.toml"
     path.write_text(text)
@@ -117,7 +128,16 @@ def write_raw(folder: Path, text: str) -> Path:
 
 BAD_REGISTRIES = {
     "duplicate": (
-        [entry("same"), entry("same", "other")], r"'same' appears twice"),
+        [entry("same"), entry("same", "other")],
+        r"datasets\[1\] \('same'\): name 'same' appears twice \(also datasets\[0\]\)"),
+    "duplicate-uuid": (
+        [entry("a", uuid="b498f769-a7f6-4f67-8d74-40b770398f26"),
+         entry("b", uuid="B498F769-A7F6-4F67-8D74-40B770398F26")],
+        r"datasets\[1\] \('b'\): uuid 'b498f769-a7f6-4f67-8d74-40b770398f26' appears twice "
+        r"\(also datasets\[0\]\)"),
+    "unset-var": (
+        [entry("v", "$DDP_SURELY_UNSET_VAR/imagenet")],
+        r"\('v'\): storage\.path: environment variable \$DDP_SURELY_UNSET_VAR is not set"),
     "driver": (
         [entry("d", storage={"driver": "NFS"})], r"datasets\[0\] \('d'\): storage\.driver: "),
     "layout": (
@@ -126,7 +146,10 @@ BAD_REGISTRIES = {
         [entry("u", uuid="not-a-uuid")], r"\('u'\): uuid: "),
     "s3-path": (
         [{"name": "s", "layout": "imagefolder", "storage": {"driver": "S3", "path": "/local/dir"}}],
-        r"\('s'\): storage\.path must start with s3://"),
+        r"\('s'\): storage\.path must be s3://BUCKET or s3://BUCKET/PREFIX"),
+    "s3-no-bucket": (
+        [{"name": "s", "layout": "imagefolder", "storage": {"driver": "S3", "path": "s3://"}}],
+        r"\('s'\): storage\.path must be s3://BUCKET"),
     "unknown-key": (
         [entry("k", extra_key=1)], r"\('k'\): extra_key: unknown key"),
 }

@@ -115,6 +115,40 @@ def test_factor_drives_the_optimizer_lr():
     assert lrs[50] == pytest.approx(0.2)
 
 
+def test_warmup_then_onecycle_starts_its_cycle_after_warmup():
+    f = factor(name="onecycle", warmup_steps=10, pct_start=0.25)  # the cycle spans steps 10..100
+    assert f(4) == pytest.approx(0.5)
+    assert f(10) == pytest.approx(ONECYCLE_START)
+    assert f(10 + 90 // 4) == pytest.approx(ONECYCLE_START + (1 - ONECYCLE_START) * (22 / 90) / 0.25)
+    assert f(55) == pytest.approx(ONECYCLE_END + (1 - ONECYCLE_END) * 0.5 * (1 + math.cos(math.pi / 3)))
+    assert f(100) == pytest.approx(ONECYCLE_END)
+
+
+def test_warmup_then_poly_and_multistep():
+    poly = factor(name="poly", power=2.0, warmup_steps=20)
+    assert poly(19) == pytest.approx(1.0)
+    assert poly(60) == pytest.approx((1 - 40 / 80) ** 2)
+    multi = factor(name="multistep", milestones=[1, 3], gamma=0.5, warmup_steps=5)
+    assert [multi(s) for s in (0, 4, 5, 9, 10, 29, 30)] == pytest.approx([0.2, 1, 1, 1, 0.5, 0.5, 0.25])
+
+
+SHAPES = [{"name": "constant"}, {"name": "step", "step_epochs": 3}, {"name": "multistep"},
+          {"name": "cosine", "min_lr_ratio": 0.1}, {"name": "poly"}, {"name": "onecycle"}]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s["name"])
+def test_every_schedule_sets_the_closed_form_lr_at_every_optimisation_step(shape):
+    cfg = ScheduleConfig(warmup_epochs=1.5, milestones=[2, 5], **shape)
+    f = lr_factor(cfg, SPE, TOTAL)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.4)
+    scheduler = build_scheduler(optimizer, cfg, SPE, TOTAL)
+    for step in range(TOTAL):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.4 * f(step), abs=1e-12), step
+        optimizer.step()
+        scheduler.step()
+
+
 # --- checkpoints -----------------------------------------------------------------------------
 
 

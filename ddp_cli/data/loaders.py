@@ -19,19 +19,26 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ddp_cli.config import DataConfig
-from ddp_cli.data.images import BadImage, open_image
+from ddp_cli.data.images import BadImage, EncodedImage, open_image
 from ddp_cli.data.layouts import IndexTable
+from ddp_cli.data.storage import FileReader
 from ddp_cli.data.transforms import TrainTransform, ValTransform
+from ddp_cli.errors import DataError
 
 SKIP_ATTEMPTS = 16
 
 
 class ShardSampler(Sampler[int]):
-    """Rank `rank`'s share of [0, n): shuffled per epoch (train) or in order (val)."""
+    """Rank `rank`'s share of [0, n): shuffled per epoch (train) or in order (val).
 
-    def __init__(self, n: int, rank: int, world_size: int, shuffle: bool, seed: int = 0) -> None:
+    With `size_at(epoch)` (progressive resizing) it yields `(index, image side)`
+    pairs for `EpochSized`.
+    """
+
+    def __init__(self, n: int, rank: int, world_size: int, shuffle: bool, seed: int = 0,
+                 size_at: Callable[[int], int] | None = None) -> None:
         self.n, self.rank, self.world_size = n, rank, world_size
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed, self.epoch, self.size_at = shuffle, seed, 0, size_at
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -45,8 +52,12 @@ class ShardSampler(Sampler[int]):
         order = torch.randperm(self.n, generator=g)
         return order[: self.n - self.n % self.world_size].tolist()  # equal shares, no repeats
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._order()[self.rank :: self.world_size])
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
+        mine = self._order()[self.rank :: self.world_size]
+        if self.size_at is None:
+            return iter(mine)
+        size = self.size_at(self.epoch)
+        return ((i, size) for i in mine)
 
     def __len__(self) -> int:
         if self.shuffle:
@@ -54,13 +65,26 @@ class ShardSampler(Sampler[int]):
         return len(range(self.rank, self.n, self.world_size))
 
 
-class ImageDataset(Dataset):
-    """Reads `root/path` through fsspec, decodes, transforms; applies the bad-image policy.
+def fetch(reader: FileReader, path: str) -> EncodedImage:
+    """Read a file and its image header; `BadImage` if it is missing or unreadable."""
+    try:
+        return open_image(reader.read(path))
+    except FileNotFoundError as e:
+        raise BadImage("missing file") from e
+    except OSError as e:  # local I/O errors; remote ones arrive as DataError
+        raise BadImage(f"unreadable ({e.strerror or e})") from e
 
-    Items are `(uint8 HWC image, label, skipped, error)`. Under "skip" a bad file
-    is replaced by the next good one and counted in `skipped`; under "error" the
-    item carries the message and the trainer raises it, so a worker process
-    never dies with a traceback and every rank learns of it the same way.
+
+class ImageDataset(Dataset):
+    """Reads `root/path` (through a `FileReader`), decodes, transforms; applies the bad-image policy.
+
+    Items are `(uint8 HWC image, label, skipped, error)`:
+    - `skipped`: under "skip", the bad files this item stands in for, newline-joined
+      ("" if none), so the trainer can count distinct bad files, not hits;
+    - `error`: a message for the trainer to raise: a bad file under "error", or a
+      storage failure (credentials, network) under either policy.
+    So a loader process never dies with a traceback, and every rank learns of a
+    bad file the same way.
     """
 
     def __init__(
@@ -71,8 +95,10 @@ class ImageDataset(Dataset):
         transform: Callable,
         on_bad_image: str = "error",
         out_size: int = 224,
+        cache_dir: str | None = None,
     ) -> None:
-        self.fs, self.root, self.transform = fs, root.rstrip("/"), transform
+        self.reader = FileReader(fs, root, cache_dir)
+        self.transform = transform
         self.paths = table["path"].tolist()
         self.labels = table["label"].tolist()
         self.on_bad_image, self.out_size = on_bad_image, out_size
@@ -81,24 +107,59 @@ class ImageDataset(Dataset):
         return len(self.paths)
 
     def load(self, index: int) -> torch.Tensor:
-        path = f"{self.root}/{self.paths[index]}"
-        try:
-            data = self.fs.cat_file(path)
-        except FileNotFoundError as e:
-            raise BadImage("missing file") from e
-        return self.transform(open_image(data))
+        return self.transform(fetch(self.reader, self.paths[index]))
 
     def __getitem__(self, index: int):
-        for skipped in range(SKIP_ATTEMPTS):
-            candidate = (index + skipped * 7919) % len(self.paths)  # a prime stride
+        skipped: list[str] = []
+        for attempt in range(SKIP_ATTEMPTS):
+            candidate = (index + attempt * 7919) % len(self.paths)  # a prime stride
+            where = f"{self.reader.root}/{self.paths[candidate]}"
             try:
-                return self.load(candidate), self.labels[candidate], skipped, ""
+                return self.load(candidate), self.labels[candidate], "\n".join(skipped), ""
             except BadImage as e:
-                message = f"{self.root}/{self.paths[candidate]}: {e}"
                 if self.on_bad_image == "error":
-                    break
+                    return self.failed(index, f"bad image {where}: {e} "
+                                              '(set data.on_bad_image = "skip" to skip it)')
+                skipped.append(where)
+            except DataError as e:
+                return self.failed(index, str(e))
+        return self.failed(index, f"{SKIP_ATTEMPTS} bad images in a row, the last {where}; "
+                                  "run `ddp datasets check` on the data set")
+
+    def failed(self, index: int, message: str):
         blank = torch.zeros(self.out_size, self.out_size, 3, dtype=torch.uint8)
-        return blank, self.labels[index], 0, message
+        return blank, self.labels[index], "", message
+
+
+class EpochSized(Dataset):
+    """Progressive resizing that reaches persistent loader processes.
+
+    Those processes hold their own copy of the dataset and never see an
+    attribute the trainer changes between epochs, so the side travels with
+    each index (`ShardSampler(size_at=...)` yields `(index, side)`) and is
+    applied here, in whichever process loads the item.
+    """
+
+    def __init__(self, dataset: ImageDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]):
+        index, size = item
+        self.dataset.transform.size = self.dataset.out_size = size
+        return self.dataset[index]
+
+
+def skipped_files(field: list[str]) -> list[str]:
+    """The bad files a batch's `skipped` field names."""
+    return [path for joined in field if joined for path in joined.split("\n")]
+
+
+def requested(field: list[str]) -> torch.Tensor:
+    """Which items of a batch are the samples asked for (not stand-ins for bad files)."""
+    return torch.tensor([not joined for joined in field], dtype=torch.bool)
 
 
 @dataclass
@@ -109,7 +170,7 @@ class Loaders:
 
 
 def make_loader(
-    dataset: ImageDataset,
+    dataset: Dataset,
     sampler: ShardSampler,
     batch_size: int,
     workers: int,
@@ -145,16 +206,19 @@ def build_loaders(
 ) -> Loaders:
     """This rank's train and val loaders (`train=False` for validation-only jobs)."""
 
-    def loader(split: str, transform: Callable, shuffle: bool) -> tuple[DataLoader, ShardSampler]:
+    def loader(split: str, transform: Callable, shuffle: bool,
+               size_at: Callable[[int], int] | None = None) -> tuple[DataLoader, ShardSampler]:
         table = index.splits[split]
-        dataset = ImageDataset(fs, root, table, transform, cfg.on_bad_image, cfg.image_size)
-        sampler = ShardSampler(len(dataset), rank, world_size, shuffle=shuffle, seed=seed)
-        return make_loader(dataset, sampler, cfg.batch_size, cfg.workers, cfg.prefetch_factor,
-                           pin_memory, drop_last=shuffle, seed=seed + 1000 * (rank + 1)), sampler
+        dataset = ImageDataset(fs, root, table, transform, cfg.on_bad_image, transform.size, cfg.cache_dir)
+        sampler = ShardSampler(len(dataset), rank, world_size, shuffle=shuffle, seed=seed, size_at=size_at)
+        return make_loader(EpochSized(dataset) if size_at else dataset, sampler, cfg.batch_size,
+                           cfg.workers, cfg.prefetch_factor, pin_memory, drop_last=shuffle,
+                           seed=seed + 1000 * (rank + 1)), sampler
 
-    val, _ = loader("val", ValTransform(cfg.image_size, cfg.val_resize), shuffle=False)
+    val, _ = loader("val", ValTransform(cfg.val_image_size or cfg.image_size, cfg.val_resize), shuffle=False)
     if not train:
         return Loaders(None, val, None)
     transform = TrainTransform(cfg.image_size, cfg.min_crop_scale, cfg.hflip)
-    train_loader, sampler = loader("train", transform, shuffle=True)
+    progressive = cfg.train_size if cfg.min_image_size else None
+    train_loader, sampler = loader("train", transform, shuffle=True, size_at=progressive)
     return Loaders(train_loader, val, sampler)

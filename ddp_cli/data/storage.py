@@ -1,23 +1,130 @@
-"""Remote roots through fsspec: S3 via s3fs with the standard AWS credential chain."""
+"""Data set roots through fsspec: local folders, and S3 through s3fs.
+
+S3 credentials come from the standard AWS chain (environment, shared
+credentials/config files and `AWS_PROFILE`, SSO, instance roles), found by
+botocore itself: our code never sees, prints or writes them; the registry may
+name a profile, never a key. What fsspec leaves to us:
+
+- async filesystems (s3fs) refuse to run in a forked child ("not fork-safe"),
+  and DataLoader workers are forked: `FileReader` re-creates its filesystem
+  once per process (fsspec resets its event loop in the child);
+- failures arrive as botocore exceptions: `storage_error` makes them one line
+  with the fix (exit 3);
+- fsspec's simplecache downloads straight into the cache file, so another
+  process (or the next run, after an interrupt) can read a half-written
+  file and call the image truncated; our cache writes a temporary file and
+  renames it, so a cached file is always whole.
+"""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urlparse
 
 import fsspec
 
 from ddp_cli.errors import DataError
 
+CREDENTIALS_HELP = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage.profile "
+                    "(or anon = true for a public bucket)")
+
+
+def storage_error(e: Exception, where: str) -> DataError | None:
+    """The one-line DataError for a storage failure at `where`, or None if `e` is not one."""
+    try:
+        from botocore import exceptions as boto
+    except ImportError:  # pragma: no cover - s3fs brings botocore
+        boto = None
+    if boto and isinstance(e, boto.NoCredentialsError | boto.PartialCredentialsError):
+        return DataError(f"{where}: no AWS credentials found; {CREDENTIALS_HELP}")
+    if boto and isinstance(e, boto.ProfileNotFound):
+        return DataError(f"{where}: {e}; fix storage.profile or AWS_PROFILE, or add it to ~/.aws/config")
+    if boto and isinstance(e, boto.EndpointConnectionError | boto.ConnectTimeoutError):
+        return DataError(f"{where}: cannot reach the S3 endpoint ({e}); check storage.endpoint_url "
+                         "and the network")
+    if boto and isinstance(e, boto.ClientError):
+        error = e.response.get("Error", {})
+        return DataError(f"{where}: S3 refused the request ({error.get('Code')}: "
+                         f"{error.get('Message')}); check the credentials and the bucket policy")
+    if isinstance(e, PermissionError):
+        return DataError(f"{where}: access refused ({e}); check the AWS credentials and the "
+                         "bucket policy")
+    if boto and isinstance(e, boto.BotoCoreError):
+        return DataError(f"{where}: S3 error: {e}")
+    return None
+
 
 def s3_filesystem(storage) -> tuple[fsspec.AbstractFileSystem, str]:
-    """An s3fs filesystem for `storage` and the root as bucket/prefix (credentials never logged)."""
-    options = {"anon": storage.anon, "profile": storage.profile,
-               "client_kwargs": {k: v for k, v in (("endpoint_url", storage.endpoint_url),
-                                                   ("region_name", storage.region)) if v}}
-    fs = fsspec.filesystem("s3", **{k: v for k, v in options.items() if v is not None})
+    """An s3fs filesystem for `storage` and the root as bucket/prefix, checked by one listing."""
+    client = {k: v for k, v in (("endpoint_url", storage.endpoint_url), ("region_name", storage.region))
+              if v}
+    options = {"anon": storage.anon, "client_kwargs": client}
+    if storage.profile:
+        options["profile"] = storage.profile
     root = storage.path.removeprefix("s3://").rstrip("/")
     try:
+        fs = fsspec.filesystem("s3", **options)
         fs.ls(root)
     except FileNotFoundError as e:
-        raise DataError(f"{storage.path}: no such bucket or prefix; fix storage.path") from e
-    except PermissionError as e:
-        raise DataError(f"{storage.path}: access refused; check the AWS credentials/profile") from e
+        what = "no such bucket" if "bucket" in str(e).lower() else "no such prefix in the bucket"
+        raise DataError(f"{storage.path}: {what}; fix storage.path in the registry") from e
+    except Exception as e:
+        mapped = storage_error(e, storage.path)
+        if mapped is None:
+            raise
+        raise mapped from e
     return fs, root
+
+
+class FileReader:
+    """Reads files under a data set root: fork-safe, optionally through a local cache of remote files."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, cache_dir: str | Path | None = None) -> None:
+        self._fs, self._pid = fs, os.getpid()
+        self.root = root.rstrip("/")
+        self.cache = cache_folder(fs, self.root, cache_dir)
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        if self._pid != os.getpid():  # a forked DataLoader worker: a filesystem of its own
+            self._fs = type(self._fs)(*self._fs.storage_args, **self._fs.storage_options)
+            self._pid = os.getpid()
+        return self._fs
+
+    def read(self, path: str) -> bytes:
+        """The bytes of `root/path`; FileNotFoundError if missing, OSError for local I/O errors,
+        DataError for remote storage failures (credentials, access, network)."""
+        local = self.cache / path if self.cache else None
+        if local is not None and local.is_file():
+            return local.read_bytes()
+        try:
+            data = self.fs.cat_file(f"{self.root}/{path}")
+        except Exception as e:  # missing files and local I/O errors pass through: bad images
+            mapped = None if _is_local(self._fs) else storage_error(e, f"{self.root}/{path}")
+            if mapped is None:
+                raise
+            raise mapped from e
+        if local is not None:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            partial = local.with_name(f".{local.name}.{os.getpid()}.part")
+            partial.write_bytes(data)
+            os.replace(partial, local)  # atomic: readers see a whole file or none
+        return data
+
+
+def cache_folder(fs: fsspec.AbstractFileSystem, root: str, cache_dir: str | Path | None) -> Path | None:
+    """`cache_dir/<endpoint host or protocol>/<bucket/prefix>` for remote roots; None for local ones."""
+    if not cache_dir or _is_local(fs):
+        return None
+    endpoint = (fs.storage_options.get("client_kwargs") or {}).get("endpoint_url")
+    host = urlparse(endpoint).netloc.replace(":", "_") if endpoint else _protocol(fs)
+    return Path(os.path.expandvars(os.path.expanduser(str(cache_dir)))) / host / root
+
+
+def _protocol(fs: fsspec.AbstractFileSystem) -> str:
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return _protocol(fs) in ("file", "local")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import uuid
@@ -19,12 +20,15 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.worker import LAUNCHED
-from ddp_cli.errors import INTERNAL, SIGINT, SIGTERM, ConfigError, WorkerFailed
+from ddp_cli.errors import INTERNAL, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
 from ddp_cli.jobs import clear_errors, first_error
+
+SLURM_RDZV_PORT = 29400
 
 
 @dataclass
@@ -37,7 +41,6 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     max_restarts: int | None = None
-    verbose: bool = False
 
 
 def external_launcher() -> bool:
@@ -47,22 +50,75 @@ def external_launcher() -> bool:
     )
 
 
+def slurm_defaults(env: dict[str, str]) -> dict[str, object]:
+    """Launch settings SLURM already decided: one `ddp train` per node (srun --ntasks-per-node=1)."""
+    if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
+        return {}
+    settings: dict[str, object] = {
+        "nnodes": int(env["SLURM_NNODES"]),
+        "node_rank": int(env.get("SLURM_NODEID", 0)),
+        "rdzv_id": f"slurm-{env['SLURM_JOB_ID']}",
+    }
+    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
+    if hosts:
+        settings["rdzv_endpoint"] = f"{hosts[0]}:{SLURM_RDZV_PORT}"
+    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        settings["nproc_per_node"] = int(env["SLURM_GPUS_ON_NODE"])
+    return settings
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """`gpu[01-03,07],cpu1` -> gpu01 gpu02 gpu03 gpu07 cpu1 (SLURM's compressed host lists)."""
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            for number in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{number:0{len(first)}d}")
+    return hosts
+
+
+def with_environment(opts: LaunchOptions, env: dict[str, str] | None = None) -> LaunchOptions:
+    """Fill what the command line left open from SLURM's variables (flags always win)."""
+    defaults = slurm_defaults(dict(os.environ) if env is None else env)
+    given = {k: v for k, v in vars(opts).items() if v != getattr(LaunchOptions(), k)}
+    return LaunchOptions(**{**vars(LaunchOptions()), **defaults, **given})
+
+
 def resolve_nproc(opts: LaunchOptions, cfg: DistributedConfig) -> int:
     """--nproc-per-node, else the config; "auto" = one per visible GPU, else cpu_workers."""
     requested = opts.nproc_per_node or cfg.nproc_per_node
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "auto":
         return gpus or cfg.cpu_workers
+    if gpus and requested > gpus and cfg.backend != "gloo":
+        raise ConfigError(f"--nproc-per-node {requested}: this node has {gpus} CUDA devices; use at "
+                          "most that many workers, or distributed.backend = \"gloo\" to train on CPU")
     if cfg.backend == "nccl" and requested > gpus:
-        raise ConfigError(f"--nproc-per-node {requested}: only {gpus} CUDA devices for backend nccl")
+        raise ConfigError(f"--nproc-per-node {requested}: backend nccl needs one CUDA device per "
+                          f"worker and this node has {gpus}")
     return requested
+
+
+def quiet_torch_logs() -> None:
+    """torch.distributed's own log lines (the agent's "failed (exitcode...)") only with --verbose.
+
+    We report failures ourselves, once; $LOGLEVEL (set by the CLI) decides.
+    """
+    level = os.environ.get("LOGLEVEL", "CRITICAL")
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+        logging.getLogger(name).setLevel(level)
+    logging.getLogger("torch.distributed").setLevel(level)
 
 
 def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfig) -> None:
     """Run the job on `nproc` local workers; raise `WorkerFailed` with the original exit code."""
-    multi_node = opts.nnodes > 1
-    if multi_node and not opts.rdzv_endpoint:
+    if opts.nnodes > 1 and not opts.rdzv_endpoint:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    hosts = opts.node_rank == 0  # node 0 hosts the rendezvous store; the others connect to it
     config = LaunchConfig(
         min_nodes=opts.nnodes,
         max_nodes=opts.nnodes,
@@ -70,11 +126,12 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         run_id=opts.rdzv_id or uuid.uuid4().hex,
         rdzv_backend="c10d",
         rdzv_endpoint=opts.rdzv_endpoint or "127.0.0.1:0",
-        rdzv_configs={"is_host": opts.node_rank == 0} if multi_node else {},
+        rdzv_configs={"is_host": hosts, "read_timeout": cfg.rdzv_timeout_s,
+                      "join_timeout": cfg.rdzv_timeout_s},
         max_restarts=cfg.max_restarts if opts.max_restarts is None else opts.max_restarts,
         monitor_interval=0.1,
     )
-    logging.getLogger("torch.distributed").setLevel(logging.INFO if opts.verbose else logging.CRITICAL)
+    quiet_torch_logs()
     clear_errors(job_dir)
     os.environ[LAUNCHED] = "1"  # workers leave the printing of errors to us
     try:
@@ -84,14 +141,32 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
     except SignalException as e:  # the agent has already passed the signal on to the workers
         code = SIGINT if e.sigval == signal.SIGINT else SIGTERM
         raise WorkerFailed(f"interrupted by {signal.Signals(e.sigval).name}", code) from None
+    except RendezvousError as e:
+        endpoint = opts.rdzv_endpoint or "127.0.0.1"
+        if hosts and opts.rdzv_endpoint:
+            raise ConfigError(f"--rdzv-endpoint {endpoint}: cannot host the rendezvous there (port in "
+                              "use or not this machine's address); pick a free port") from None
+        raise DataError(f"--rdzv-endpoint {endpoint}: rendezvous failed within "
+                        f"{cfg.rdzv_timeout_s}s ({type(e).__name__}); is node 0 up and the "
+                        "address reachable from here?") from None
 
 
 def failure(job_dir: Path, err: ChildFailedError) -> WorkerFailed:
-    """The original failure: the earliest error a worker recorded, else the first that died."""
+    """The original failure: an error a worker recorded, else a worker killed by a signal.
+
+    Ranks that merely lost a peer record that too, but a death by signal (OOM
+    killer, kill -9, segfault) explains their failure, so it comes first.
+    SIGTERM is the agent's own way of closing the survivors and explains nothing.
+    """
     recorded = first_error(job_dir)
+    if recorded and recorded["original"]:
+        return WorkerFailed(recorded["message"], recorded["exit_code"])
+    died = [(rank, proc) for rank, proc in err.failures.items()
+            if proc.exitcode < 0 and proc.exitcode != -signal.SIGTERM]
+    if died:
+        rank, proc = min(died, key=lambda kv: kv[1].timestamp)
+        return WorkerFailed(f"worker rank {rank} was killed by {proc.signal_name()}", INTERNAL)
     if recorded:
         return WorkerFailed(recorded["message"], recorded["exit_code"])
     rank, proc = min(err.failures.items(), key=lambda kv: kv[1].timestamp)
-    if proc.exitcode < 0:
-        return WorkerFailed(f"worker rank {rank} was killed by {proc.signal_name()}", INTERNAL)
-    return WorkerFailed(f"worker rank {rank} exited with code {proc.exitcode}", proc.exitcode)
+    return WorkerFailed(f"worker rank {rank} exited with code {proc.exitcode}", proc.exitcode or INTERNAL)

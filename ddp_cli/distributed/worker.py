@@ -24,7 +24,7 @@ from ddp_cli.data.loaders import build_loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything, setup, teardown
 from ddp_cli.errors import INTERNAL, SIGINT, ConfigError, DdpError
 from ddp_cli.jobs import Job, read_job, record_error, write_result
-from ddp_cli.models import build_model
+from ddp_cli.models import build_model, load_weights
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.registry import DatasetEntry
 from ddp_cli.train.checkpoint import load_checkpoint
@@ -54,7 +54,9 @@ def assert_identical_across_ranks(model: nn.Module, when: str) -> None:
 def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
               index: IndexTable, job: Job) -> dict[str, Any]:
     seed_everything(cfg.seed, cfg.deterministic)
-    model = build_model(cfg.model, len(index.classes))  # same seed: same weights on every rank
+    model = build_model(cfg.model, len(index.classes), cfg.data.image_size)  # same seed: same weights
+    if cfg.model.weights:
+        load_weights(model, cfg.model, len(index.classes))
     fs, root = entry.open()
     loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
                             pin_memory=ctx.device.type == "cuda")
@@ -81,7 +83,7 @@ def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntr
 def validate_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
                  index: IndexTable, job: Job) -> dict[str, Any]:
     state = load_checkpoint(job.checkpoint)
-    model = build_model(cfg.model, len(index.classes))
+    model = build_model(cfg.model, len(index.classes), cfg.data.image_size)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
@@ -107,24 +109,34 @@ def run_job(folder: Path) -> int:
         cfg, entry, index, job = read_job(folder)
         ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
         result = JOBS[job.mode](cfg, ctx, folder, entry, index, job)
-        if ctx.is_main:
+        if ctx.local_rank == 0:  # every node's launcher reports (results are reduced, the same)
             write_result(folder, result)
         return 0
     except DdpError as e:
         return fail(folder, rank, e.exit_code, str(e), original=True)
     except KeyboardInterrupt:
         return SIGINT
-    except dist.DistError as e:  # a peer vanished: the launcher reports the original failure
-        log.debug("rank %d: lost a peer: %s", rank, e)
-        return fail(folder, rank, INTERNAL, f"rank {rank} lost a peer ({str(e).splitlines()[0]})",
-                    original=False)
     except Exception as e:
+        if lost_a_peer(e):  # the launcher reports the original failure, not this echo of it
+            log.debug("rank %d: lost a peer: %s", rank, e)
+            return fail(folder, rank, INTERNAL, f"rank {rank} lost a peer ({str(e).splitlines()[0]})",
+                        original=False)
         if os.environ.get("DDP_DEBUG") == "1":
             traceback.print_exc()
         return fail(folder, rank, INTERNAL, f"internal error on rank {rank} (a bug; DDP_DEBUG=1 "
                     f"shows the traceback): {type(e).__name__}: {e}", original=True)
     finally:
         teardown()
+
+
+PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote worker",
+             "Broken pipe", "Socket Timeout", "NCCL communicator was aborted")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """A collective failed because another process died (gloo reports some as plain RuntimeError)."""
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(mark in str(error) for mark in PEER_LOSS))
 
 
 def fail(folder: Path, rank: int, exit_code: int, message: str, original: bool) -> int:

@@ -44,18 +44,27 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
     atomic_write(path, lambda f: torch.save({"format": FORMAT, **state}, f))
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_plain(path: Path) -> Any:
     """Load with `weights_only=True`: tensors, numbers, strings and containers, nothing else."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--checkpoint {path}: no such file; give a .pt from <run>/checkpoints/")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise DataError(f"{path}: refused, it holds more than plain data (weights_only load): "
                         f"{str(e).splitlines()[0]}") from e
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise DataError(f"{path}: unreadable or truncated checkpoint ({str(e).splitlines()[0]})") from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+
+
+def is_checkpoint(state: Any) -> bool:
+    return isinstance(state, dict) and state.get("format") == FORMAT
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A ddp checkpoint, loaded safely (see `load_plain`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--checkpoint {path}: no such file; give a .pt from <run>/checkpoints/")
+    state = load_plain(path)
+    if not is_checkpoint(state):
         raise DataError(f"{path}: not a ddp checkpoint (no format {FORMAT} marker)")
     return state

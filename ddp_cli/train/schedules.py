@@ -14,9 +14,13 @@ ONECYCLE_START = 1 / 25  # torch's OneCycleLR div_factor
 ONECYCLE_END = 1e-4
 
 
+def warmup_steps(cfg: ScheduleConfig, steps_per_epoch: int) -> int:
+    return cfg.warmup_steps or round(cfg.warmup_epochs * steps_per_epoch)
+
+
 def lr_factor(cfg: ScheduleConfig, steps_per_epoch: int, total_steps: int) -> Callable[[int], float]:
     """factor(step) in [0, 1]: linear warmup, then the named shape over the remaining steps."""
-    warmup = cfg.warmup_steps or round(cfg.warmup_epochs * steps_per_epoch)
+    warmup = warmup_steps(cfg, steps_per_epoch)
     floor = cfg.min_lr_ratio
 
     def factor(step: int) -> float:

@@ -2,8 +2,8 @@
 
 `fit()` is the whole run: for each epoch, `train_epoch()` (micro-batches through
 DDP with `no_sync` on all but the last, one optimiser and schedule step each),
-then `validate()` over the whole val split, then a checkpoint. Only rank 0
-prints and writes.
+then `validate()` over the whole val split (and of the weights' EMA, if on),
+then a checkpoint. Only rank 0 prints and writes.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from ddp_cli.config import RunConfig
-from ddp_cli.data.loaders import Loaders
+from ddp_cli.config import ModelConfig, RunConfig, TrainConfig
+from ddp_cli.data.loaders import Loaders, requested, skipped_files
 from ddp_cli.data.transforms import to_model_input
-from ddp_cli.distributed.reduce import register_reduction
+from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.errors import ConfigError, DataError, DivergedError
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.train.checkpoint import save_checkpoint
+from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.optim import build_optimizer
 from ddp_cli.train.schedules import build_scheduler
@@ -46,18 +46,48 @@ def check_precision(precision: str, device: torch.device) -> None:
         raise ConfigError('train.precision: fp16 needs CUDA (GradScaler); use "bf16" on CPU')
 
 
+def count_steps(batches: int, cfg: TrainConfig) -> int:
+    """Optimisation steps per epoch from a rank's whole batches; none at all is a config error."""
+    steps = batches // cfg.grad_accum
+    if cfg.max_steps_per_epoch:
+        steps = min(steps, cfg.max_steps_per_epoch)
+    if steps < 1:
+        raise ConfigError("data.batch_size: larger than a rank's share of the train split; "
+                          "lower batch_size or grad_accum")
+    return steps
+
+
+def place(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """On the device, in the configured memory format, with SyncBatchNorm if asked."""
+    memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
+    model = model.to(device, memory_format=memory_format)
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_batchnorm else model
+
+
 def raise_bad_images(errors: list[str]) -> None:
-    """Under on_bad_image = "error" the dataset hands bad files over as messages."""
+    """The dataset hands over bad files (under on_bad_image = "error") and storage failures as messages."""
     for message in errors:
         if message:
-            raise DataError(f"bad image {message} (set data.on_bad_image = \"skip\" to skip it)")
+            raise DataError(message)
+
+
+def union_across_ranks(paths: set[str]) -> set[str]:
+    """Every rank's set of (bad file) paths, merged."""
+    everyone: list[set[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, paths)
+    return set().union(*everyone)
 
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool
+    model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool,
+    bad: set[str] | None = None,
 ) -> dict[str, float]:
-    """Top-1/top-5/loss over this rank's exact shard, summed across ranks."""
+    """Top-1/top-5/loss over this rank's exact shard, summed across ranks.
+
+    Under "skip", a bad image's stand-in is not counted (so `images` is the
+    split's good images) and the bad file goes into `bad`.
+    """
     model.eval()
     totals = EvalTotals(device)
     for images, labels, skipped, errors in loader:
@@ -65,7 +95,9 @@ def evaluate(
         x = to_model_input(images, device, channels_last)
         with autocast(device, precision):
             logits = model(x)
-        totals.add(logits, labels.to(device, non_blocking=True), (skipped == 0).to(device))
+        totals.add(logits, labels.to(device, non_blocking=True), requested(skipped).to(device))
+        if bad is not None:
+            bad.update(skipped_files(skipped))
     return totals.reduce()
 
 
@@ -78,6 +110,8 @@ class RunState:
     best_top1: float = -1.0
     history: list[dict[str, Any]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
+    final_ema: dict[str, float] | None = None  # the EMA weights' validation, when on
+    skipped_files: list[str] = field(default_factory=list)  # bad files replaced under "skip"
 
 
 class Trainer:
@@ -86,25 +120,13 @@ class Trainer:
         check_precision(cfg.train.precision, ctx.device)
         self.cfg, self.ctx, self.loaders, self.run_dir = cfg, ctx, loaders, run_dir
         self.extra_state, self.console = extra_state, console
-        memory_format = torch.channels_last if cfg.model.channels_last else torch.preserve_format
-        model = model.to(ctx.device, memory_format=memory_format)
-        if cfg.model.sync_batchnorm:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        self.model = DistributedDataParallel(
-            model,
-            device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-            bucket_cap_mb=cfg.distributed.bucket_cap_mb,
-            gradient_as_bucket_view=True,
-        )
-        register_reduction(self.model, cfg.distributed.reduce)
         self.accum = cfg.train.grad_accum
         self.global_batch = ctx.world_size * cfg.data.batch_size * self.accum
-        self.steps_per_epoch = len(loaders.train) // self.accum
-        if cfg.train.max_steps_per_epoch:
-            self.steps_per_epoch = min(self.steps_per_epoch, cfg.train.max_steps_per_epoch)
-        if self.steps_per_epoch < 1:
-            raise ConfigError("data.batch_size: larger than a rank's share of the train split; "
-                              "lower batch_size or grad_accum")
+        self.steps_per_epoch = count_steps(len(loaders.train), cfg.train)
+        model = place(model, cfg.model, ctx.device)
+        self.ema = EmaModel(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.model = replicate(model, cfg.distributed, ctx.device, self.steps_per_epoch * cfg.train.epochs)
+        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.lr = cfg.optim.effective_lr(self.global_batch)
         self.optimizer = build_optimizer(cfg.optim, self.model.module, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.steps_per_epoch,
@@ -118,49 +140,55 @@ class Trainer:
         cfg, images_seen, train_seconds = self.cfg, 0, 0.0
         for epoch in range(self.state.epoch, cfg.train.epochs):
             started = time.perf_counter()
-            train_loss, skipped = self.train_epoch(epoch)
+            train_loss, bad = self.train_epoch(epoch)
             seconds = time.perf_counter() - started
             train_seconds += seconds
             images_seen += self.steps_per_epoch * self.global_batch
-            val = self.validate()
-            self.state.epoch, self.state.final = epoch + 1, val
+            val = self.validate(bad)
+            ema_val = self.validate(module=self.ema.module) if self.ema else None
+            bad = union_across_ranks(bad)  # distinct bad files met this epoch (train and val)
+            self.state.skipped_files = sorted(bad.union(self.state.skipped_files))
+            skipped = len(bad)
+            self.state.epoch, self.state.final, self.state.final_ema = epoch + 1, val, ema_val
             row = {"epoch": epoch + 1, "train_loss": train_loss, "val_loss": val["loss"],
                    "top1": val["top1"], "top5": val["top5"], "seconds": seconds,
                    "images_per_second": self.steps_per_epoch * self.global_batch / seconds,
-                   "skipped": skipped}
+                   "skipped": skipped, **({"ema_top1": ema_val["top1"]} if ema_val else {})}
             self.state.history.append(row)
             self.log({"split": "val", "epoch": epoch + 1, "step": self.state.step, **val,
-                      "lr": self.optimizer.param_groups[0]["lr"],
+                      "lr": self.optimizer.param_groups[0]["lr"], "image_size": cfg.data.train_size(epoch),
                       "images_per_second": row["images_per_second"], "skipped_images": skipped})
+            if ema_val:
+                self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val})
             self.console.epoch_done(row)
             self.save(val)
         self.console.summary(self.state.history)
         return self.summary(images_seen / max(train_seconds, 1e-9))
 
-    def train_epoch(self, epoch: int) -> tuple[float, int]:
-        """One pass over this rank's shard; returns (mean train loss, skipped images, all ranks)."""
+    def train_epoch(self, epoch: int) -> tuple[float, set[str]]:
+        """One pass over this rank's shard; returns (mean train loss of all ranks, this rank's bad files)."""
         self.loaders.train_sampler.set_epoch(epoch)
         self.model.train()
         batches = iter(self.loaders.train)
         running = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # loss sum, steps
-        skipped, window, every = 0, (0, time.perf_counter()), self.cfg.logging.every_steps
+        bad, window, every = set(), (0, time.perf_counter()), self.cfg.logging.every_steps
+        lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:
             for step in range(1, self.steps_per_epoch + 1):
                 micro = [next(batches) for _ in range(self.accum)]
-                skipped += sum(int(b[2].sum()) for b in micro)
+                bad.update(path for b in micro for path in skipped_files(b[2]))
+                lrs.append(self.optimizer.param_groups[0]["lr"])
                 running += torch.stack([self.train_step(micro).double(), running.new_ones(())])
                 self.state.step += 1
                 if step % every == 0 or step == self.steps_per_epoch:
                     loss = self.check_finite(running)
                     rate = (step - window[0]) * self.global_batch / (time.perf_counter() - window[1])
-                    lr = self.optimizer.param_groups[0]["lr"]
-                    update(step, loss=loss, lr=lr, img_s=rate)
+                    update(step, loss=loss, lr=lrs[-1], img_s=rate)
                     self.log({"split": "train", "epoch": epoch + 1, "step": self.state.step,
-                              "loss": loss, "lr": lr, "images_per_second": rate})
-                    window = (step, time.perf_counter())
-        totals = torch.cat([running, running.new_tensor([skipped])])
-        dist.all_reduce(totals)
-        return totals[0].item() / max(totals[1].item(), 1), int(totals[2].item())
+                              "loss": loss, "lr": lrs[-1], "lrs": lrs, "images_per_second": rate})
+                    window, lrs = (step, time.perf_counter()), []
+        dist.all_reduce(running)
+        return running[0].item() / max(running[1].item(), 1), bad
 
     def train_step(self, micro: list) -> torch.Tensor:
         """Forward/backward each micro-batch (gradients synced on the last), then step."""
@@ -172,13 +200,18 @@ class Trainer:
             last = i == len(micro) - 1
             with nullcontext() if last else self.model.no_sync():
                 with autocast(self.ctx.device, self.cfg.train.precision):
-                    loss = self.loss_fn(self.model(x), y) / len(micro)
+                    loss = self.loss_fn(self.forward(x), y) / len(micro)
                 self.scaler.scale(loss).backward()
             total += loss.detach().float()
+        if self.cfg.optim.grad_clip:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.ema:
+            self.ema.update(self.model.module)
         return total
 
     def check_finite(self, running: torch.Tensor) -> float:
@@ -189,12 +222,13 @@ class Trainer:
                                 "lower optim.lr or add schedule.warmup_epochs")
         return loss
 
-    def validate(self) -> dict[str, float]:
-        """Evaluate rank 0's replica: its BatchNorm statistics are the ones checkpointed."""
-        for buffer in self.model.module.buffers():
+    def validate(self, bad: set[str] | None = None, module: nn.Module | None = None) -> dict[str, float]:
+        """Evaluate rank 0's replica (or its EMA): its BatchNorm statistics are the ones checkpointed."""
+        module = self.model.module if module is None else module
+        for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
-        return evaluate(self.model.module, self.loaders.val, self.ctx.device,
-                        self.cfg.train.precision, self.cfg.model.channels_last)
+        return evaluate(module, self.loaders.val, self.ctx.device,
+                        self.cfg.train.precision, self.cfg.model.channels_last, bad)
 
     def save(self, val: dict[str, float]) -> None:
         """Rank 0 writes last.pt (and best.pt when top-1 improves), atomically."""
@@ -207,11 +241,14 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "ema": self.ema.state_dict() if self.ema else None,
             "epoch": self.state.epoch,
             "step": self.state.step,
             "best_top1": self.state.best_top1,
             "history": self.state.history,
+            "skipped_files": self.state.skipped_files,
             "final": val,
+            "final_ema": self.state.final_ema,
             "rng": {"torch": torch.get_rng_state()},
             **self.extra_state,
         }
@@ -226,8 +263,12 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
+        if self.ema and state.get("ema"):
+            self.ema.load_state_dict(state["ema"])
+        elif self.ema:  # the run had no EMA so far: average from here on
+            self.ema.restart(self.model.module)
         self.state = RunState(state["epoch"], state["step"], state["best_top1"], state["history"],
-                              state["final"])
+                              state["final"], state.get("final_ema"), state.get("skipped_files", []))
 
     def summary(self, images_per_second: float) -> dict[str, Any]:
         last = self.state.history[-1] if self.state.history else {}
@@ -235,9 +276,10 @@ class Trainer:
             "epochs": self.cfg.train.epochs,
             "world_size": self.ctx.world_size,
             "final": self.state.final,
+            "final_ema": self.state.final_ema,
             "best_top1": self.state.best_top1,
             "images_per_second": images_per_second,
-            "skipped_images": sum(r["skipped"] for r in self.state.history),
+            "skipped_images": len(self.state.skipped_files),  # distinct bad files, whole run
             "last_epoch": last,
         }
 

@@ -1,0 +1,145 @@
+"""`ddp bench data`: images/s of the training input pipeline against a plain torchvision loader.
+
+Both pipelines read the same files through the same reader, with the same
+DataLoader workers, batch size and crop size, and end with a normalised float
+batch in the consuming process:
+
+- ddp: header, crop chosen, DCT-scaled decode of only the pixels needed,
+  uint8 crop+resize, uint8 collate, normalisation in the consumer (as the
+  trainer does on the device);
+- baseline: the torchvision ImageNet recipe: PIL open + convert("RGB"),
+  RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize, float collate.
+
+The machine may be busy with other work, so the two are measured in
+alternating rounds (each with fresh workers and a warm-up) and each rate is the
+total images over the total timed seconds of its rounds.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision import transforms as T
+
+from ddp_cli.config import DataConfig
+from ddp_cli.data.layouts import build_index
+from ddp_cli.data.loaders import ImageDataset
+from ddp_cli.data.storage import FileReader
+from ddp_cli.data.transforms import MEAN, STD, TrainTransform, to_model_input
+from ddp_cli.errors import ConfigError
+from ddp_cli.registry import load_registry
+
+ROUNDS = 3
+
+
+class EndlessSampler(Sampler[int]):
+    """Random indices forever (same seed, same files for both pipelines): no epoch restarts."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.seed = n, seed
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed)
+        while True:
+            yield from torch.randperm(self.n, generator=g).tolist()
+
+
+class TorchvisionStyle(Dataset):
+    """torchvision's ImageFolder loader and ImageNet-example transforms, over our file list."""
+
+    def __init__(self, reader: FileReader, paths: list[str], size: int) -> None:
+        self.reader, self.paths = reader, paths
+        self.transform = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(),
+                                    T.ToTensor(), T.Normalize(MEAN, STD)])
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        try:
+            img = Image.open(io.BytesIO(self.reader.read(self.paths[index]))).convert("RGB")
+        except (OSError, ValueError):  # a bad file: a blank costs the baseline nothing
+            return torch.zeros(3, self.size, self.size)
+        return self.transform(img)
+
+
+def bench_data(name: str, registry: str | None, split: str = "train", workers: int = 2,
+               seconds: float = 20.0, batch_size: int = 32, image_size: int = 224) -> dict:
+    """Measure both pipelines on data set `name`; return the shared bench dict."""
+    entry = load_registry(registry).get(name)
+    fs, root = entry.open()
+    table = build_index(fs, root, entry.layout, splits=(split,)).splits[split]
+    if len(table) < batch_size:
+        raise ConfigError(f"bench data: the {split} split of {name!r} has {len(table)} images, fewer "
+                          f"than --batch-size {batch_size}")
+    reader = FileReader(fs, root)
+    ours = ImageDataset(fs, root, table, TrainTransform(image_size), "skip", image_size)
+    theirs = TorchvisionStyle(reader, table["path"].tolist(), image_size)
+    cpu = torch.device("cpu")
+    pipelines: dict[str, tuple[Dataset, Callable]] = {
+        "ddp": (ours, lambda batch: to_model_input(batch[0], cpu, channels_last=False)),
+        "baseline": (theirs, lambda batch: batch),
+    }
+    totals = {key: [0, 0.0] for key in pipelines}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the consumer, like each loader process, on one core
+    try:
+        for _ in range(ROUNDS):
+            for key, (dataset, consume) in pipelines.items():
+                images, elapsed = _measure(dataset, consume, workers, batch_size,
+                                           seconds / ROUNDS / len(pipelines))
+                totals[key][0] += images
+                totals[key][1] += elapsed
+    finally:
+        torch.set_num_threads(threads)
+    rates = {key: images / elapsed for key, (images, elapsed) in totals.items()}
+    return {
+        "bench": "data",
+        "dataset": name,
+        "split": split,
+        "files": len(table),
+        "workers": workers,
+        "batch_size": batch_size,
+        "image_size": image_size,
+        "seconds": seconds,
+        "machine": machine(),
+        "rows": [{"pipeline": key, "images": totals[key][0], "seconds": totals[key][1],
+                  "images_per_second": rate} for key, rate in rates.items()],
+        "ratio": rates["ddp"] / rates["baseline"],
+    }
+
+
+def machine() -> str:
+    """CPU model and count, for the record (BENCHMARKS.md)."""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"{model}, {os.cpu_count()} cpus"
+
+
+def _measure(dataset: Dataset, consume: Callable, workers: int, batch_size: int,
+             seconds: float) -> tuple[int, float]:
+    """Images consumed and seconds taken, after a warm-up, by fresh loader processes."""
+    prefetch = DataConfig().prefetch_factor
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=EndlessSampler(len(dataset)),
+                        num_workers=workers, prefetch_factor=prefetch if workers else None)
+    batches = iter(loader)
+    for _ in range(max(2, workers * prefetch)):  # start-up, and the batches queued meanwhile
+        consume(next(batches))
+    images, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        images += len(consume(next(batches)))
+    elapsed = time.perf_counter() - started
+    del batches  # stops the loader processes
+    return images, elapsed

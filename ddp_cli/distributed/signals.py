@@ -1,0 +1,48 @@
+"""Graceful stop: SIGTERM/SIGINT ask every rank to finish its step, checkpoint, and exit 143/130.
+
+A signal only sets a flag. Ranks agree on it after every step with a tiny
+all-reduce (MAX) on a CPU gloo group, so they all stop after the same step and
+nobody is left waiting in a collective. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ddp_cli.errors import SIGINT, SIGTERM
+
+CODES = {signal.SIGTERM: SIGTERM, signal.SIGINT: SIGINT}
+
+
+class StopRequest:
+    """Installed in each worker; `agreed()` is the collective check after a step."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.signal = 0
+        for sig in CODES:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signal:  # asked twice: stop now
+            sys.exit(CODES[signal.Signals(signum)])
+        self.signal = signum
+
+    def agreed(self) -> int:
+        """The signal some rank received (0 if none); the same answer on every rank."""
+        flag = torch.tensor([self.signal], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item())
+
+    @staticmethod
+    def exit_code(signum: int) -> int:
+        return CODES[signal.Signals(signum)]
+
+
+def control_group(backend: str) -> dist.ProcessGroup | None:
+    """A CPU (gloo) group for small control messages; the default group when it already is gloo."""
+    return None if backend == "gloo" else dist.new_group(backend="gloo")

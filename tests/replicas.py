@@ -1,0 +1,75 @@
+"""Trainer replicas fed synthetic global batches directly (no loaders), for the gloo tests.
+
+Rank r of k takes positions r, r+k, ... of each global batch, as ShardSampler
+deals them, so k replicas see exactly the batch one process would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ddp_cli.config import RunConfig, config_from_dict
+from ddp_cli.data.loaders import Loaders
+from ddp_cli.distributed.setup import DistContext, seed_everything
+from ddp_cli.distributed.worker import assert_identical_across_ranks
+from ddp_cli.models import build_model
+from ddp_cli.observe.console import RunConsole
+from ddp_cli.train.trainer import Trainer
+
+CLASSES = 3
+BASE = {
+    "data": {"batch_size": 4, "image_size": 16},
+    "model": {"name": "resnet_tiny"},
+    "optim": {"lr_per_256": 2.0, "weight_decay": 1e-3},
+    "schedule": {"name": "cosine", "warmup_steps": 2},
+    "train": {"epochs": 1},
+}
+
+
+def make_config(sections: dict) -> RunConfig:
+    """BASE with `sections` merged in, section by section."""
+    raw = {name: dict(keys) for name, keys in BASE.items()}
+    for name, keys in sections.items():
+        raw.setdefault(name, {}).update(keys)
+    return config_from_dict(raw)
+
+
+def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    images = torch.randint(0, 256, (size, 16, 16, 3), dtype=torch.uint8, generator=g)
+    return images, torch.randint(0, CLASSES, (size,), generator=g)
+
+
+def make_trainer(rank: int, world_size: int, cfg: RunConfig, steps: int, folder: str) -> Trainer:
+    ctx = DistContext(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
+    seed_everything(cfg.seed)
+    model = build_model(cfg.model, CLASSES)
+    loaders = Loaders(train=[None] * steps * cfg.train.grad_accum, val=[], train_sampler=None)
+    trainer = Trainer(cfg, ctx, loaders, model, Path(folder), {}, RunConsole(False))
+    trainer.model.eval()  # BatchNorm in eval: a sample's gradient does not depend on its batch-mates
+    return trainer
+
+
+def step_replica(trainer: Trainer, rank: int, world_size: int, step: int) -> None:
+    """One optimisation step on this rank's slice of global batch `step`."""
+    accum, batch = trainer.accum, trainer.cfg.data.batch_size
+    images, labels = global_batch(step, world_size * batch * accum)
+    mine = torch.arange(rank, len(labels), world_size)
+    micro = [(images[idx], labels[idx], [""] * len(idx), [""] * len(idx)) for idx in mine.chunk(accum)]
+    trainer.train_step(micro)
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
+
+
+def train_replica(rank: int, world_size: int, sections: dict, steps: int, folder: str):
+    """Run `steps` optimisation steps; return the weights (checked identical across ranks)."""
+    trainer = make_trainer(rank, world_size, make_config(sections), steps, folder)
+    for step in range(steps):
+        step_replica(trainer, rank, world_size, step)
+    if world_size > 1:
+        assert_identical_across_ranks(trainer.model.module, "after training")
+    return weights(trainer)

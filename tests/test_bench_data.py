@@ -1,0 +1,38 @@
+"""`ddp bench data`: both pipelines measured on the same files, the shared bench shape."""
+
+from __future__ import annotations
+
+import json
+
+from synthetic import make_imagenet_loc, write_registry
+from typer.testing import CliRunner
+
+from ddp_cli.cli import app
+
+
+def test_bench_data_json_and_table(tmp_path):
+    make_imagenet_loc(tmp_path / "d", classes=2, train_per_class=8, val=2, size=64)
+    registry = write_registry(tmp_path, [{"name": "d", "layout": "imagenet-loc",
+                                          "storage": {"driver": "FileSystem", "path": "d"}}])
+    args = ["bench", "data", "d", "--registry", str(registry), "--workers", "0", "--seconds", "1",
+            "--batch-size", "4", "--image-size", "32"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "data" and out["files"] == 16 and out["workers"] == 0
+    rows = {row["pipeline"]: row for row in out["rows"]}
+    assert set(rows) == {"ddp", "baseline"}
+    for row in rows.values():
+        assert row["images"] > 0 and row["images"] % 4 == 0 and row["seconds"] > 0
+        assert abs(row["images_per_second"] - row["images"] / row["seconds"]) < 1e-6
+    assert abs(out["ratio"] - rows["ddp"]["images_per_second"] / rows["baseline"]["images_per_second"]) < 1e-9
+    human = CliRunner().invoke(app, args, env={"COLUMNS": "150"})
+    assert human.exit_code == 0 and "baseline" in human.stdout and "ratio" in human.stdout
+
+
+def test_bench_data_needs_a_batch_of_files(tmp_path):
+    make_imagenet_loc(tmp_path / "d", classes=2, train_per_class=2, val=2)
+    registry = write_registry(tmp_path, [{"name": "d", "layout": "imagenet-loc",
+                                          "storage": {"driver": "FileSystem", "path": "d"}}])
+    result = CliRunner().invoke(app, ["bench", "data", "d", "--registry", str(registry), "--batch-size", "8"])
+    assert result.exit_code == 2 and "fewer than --batch-size 8" in result.stderr

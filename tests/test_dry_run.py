@@ -1,0 +1,91 @@
+"""`ddp train --dry-run`: every shipped config and every model the issue names, on a tiny data set."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO, last_json, run_ddp
+from synthetic import make_imagenet_loc, write_registry
+from typer.testing import CliRunner
+
+from ddp_cli.cli import app
+
+CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+NAMED = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
+         "efficientnet_v2_s", "inception_v3", "squeezenet1_0", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn",
+         "vgg16", "vgg16_bn", "vgg19", "vgg19_bn", "convnext_tiny", "vit_b_16"]
+# the caller's environment is restored after each in-process run (the CLI sets these defaults)
+CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 3-class, 24-image Kaggle-layout data set named `tiny`: (registry path, --set arguments)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    make_imagenet_loc(folder / "data", classes=3, train_per_class=8, val=7)
+    registry = write_registry(folder, [{"name": "tiny", "layout": "imagenet-loc",
+                                        "storage": {"driver": "FileSystem", "path": str(folder / "data")}}])
+    return str(registry), ["--set", "data.dataset=tiny", "--set", "data.batch_size=2"]
+
+
+def dry_run(tiny, config: str, *args: str):
+    """`ddp train CONFIG --dry-run` in this process; `args` come last, so their --set wins."""
+    registry, sets = tiny
+    return CliRunner().invoke(app, ["train", config, "--dry-run", "--json", "--registry", registry,
+                                    *sets, *args], env=CLI_ENV)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_plans(tiny, config):
+    registry, sets = tiny
+    plan = last_json(run_ddp("train", str(config), "--dry-run", "--json", "--registry", registry, *sets,
+                             timeout=120))
+    assert plan["splits"] == {"train": 24, "val": 7} and plan["classes"] == 3
+    assert plan["parameters"] > 0 and plan["steps_per_epoch"] >= 1
+    assert plan["global_batch"] == plan["world_size"] * 2 * 1
+    first = next(iter(plan["lr_schedule"].values()))
+    assert 0 < first <= plan["lr"] * (1 + 1e-9)
+    assert {"precision", "reduce", "optimizer", "image_size", "warmup_steps", "total_steps"} <= plan.keys()
+
+
+def test_the_fast_recipe_plans_its_ramp_and_its_lr(tiny):
+    result = dry_run(tiny, str(REPO / "configs/resnet50-fast.toml"))
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    assert plan["image_size"] == {"train from epoch 1": 160, "train from epoch 33": 192, "val": 256}
+    assert plan["lr"] == pytest.approx(0.10625 * 2 / 256)
+    assert (plan["precision"], plan["channels_last"], plan["schedule"]) == ("bf16", True, "poly")
+    assert plan["warmup_steps"] == 2 * plan["steps_per_epoch"]
+    assert plan["lr_schedule"][f"step {plan['warmup_steps']} (warmup done)"] == pytest.approx(plan["lr"])
+
+
+@pytest.mark.parametrize("model", NAMED)
+def test_every_model_the_issue_names_plans(tiny, model):
+    size = ["--set", "data.image_size=299", "--set", "data.val_resize=342"] if model == "inception_v3" else []
+    result = dry_run(tiny, str(REPO / "configs/resnet50.toml"), "--set", f"model.name={model}", *size)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    assert plan["model"] == model and plan["parameters"] > 500_000
+
+
+def test_powersgd_plan_shows_its_warmup(tiny):
+    result = dry_run(tiny, str(REPO / "configs/demo.toml"), "--set", 'distributed.reduce="powersgd"')
+    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    assert plan["reduce"] == "powersgd"
+    assert plan["powersgd_warmup_steps"] == max(2, plan["total_steps"] // 10)
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["model.name=vit_b_16", "data.image_size=40"], "model.name: vit_b_16 cannot be built"),
+    (["model.name=inception_v3", "data.image_size=64"], "model.name: inception_v3 cannot take 64x64"),
+    (["distributed.static_graph=true", "train.grad_accum=2"], "distributed.static_graph"),
+    (['train.precision="fp16"'], "train.precision: fp16 needs CUDA"),
+    (["data.batch_size=64"], "data.batch_size: larger than a rank's share"),
+    (["model.weights=/nonexistent/w.pt"], "model.weights: /nonexistent/w.pt: no such file"),
+])
+def test_plans_refuse_what_training_would_refuse(tiny, sets, message):
+    args = [a for s in sets for a in ("--set", s)]
+    result = dry_run(tiny, str(REPO / "configs/demo.toml"), *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output

@@ -1,0 +1,87 @@
+"""Launching: SLURM and torchrun environments, rendezvous failures, two nodes on loopback."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from conftest import free_port, last_json, run_ddp
+
+from ddp_cli.distributed.launch import LaunchOptions, expand_nodelist, slurm_defaults, with_environment
+
+SMALL = ["--set", "train.epochs=1", "--set", "train.max_steps_per_epoch=5", "--set", "data.workers=0",
+         "--set", "distributed.rdzv_timeout_s=8"]
+
+
+@pytest.mark.parametrize(("nodelist", "hosts"), [
+    ("node1", ["node1"]),
+    ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
+    ("a[8-10],b2", ["a8", "a9", "a10", "b2"]),
+])
+def test_slurm_nodelists_expand(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_slurm_variables_fill_the_launch_but_flags_win():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2",
+           "SLURM_JOB_NODELIST": "gpu[10-13]", "SLURM_GPUS_ON_NODE": "8"}
+    assert slurm_defaults(env) == {"nnodes": 4, "node_rank": 2, "rdzv_id": "slurm-4242",
+                                   "rdzv_endpoint": "gpu10:29400", "nproc_per_node": 8}
+    opts = with_environment(LaunchOptions(nproc_per_node=2), env)
+    assert (opts.nnodes, opts.node_rank, opts.nproc_per_node) == (4, 2, 2)
+    assert with_environment(LaunchOptions(), {}) == LaunchOptions()
+
+
+def test_a_busy_rendezvous_port_is_a_usage_error(demo_registry, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                         str(tmp_path / "run"), "--rdzv-endpoint", f"127.0.0.1:{port}", *SMALL,
+                         timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"127.0.0.1:{port}" in result.stderr and "frame #" not in result.stderr
+
+
+def test_an_unreachable_rendezvous_is_a_data_error_not_a_hang(demo_registry, tmp_path):
+    result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                     str(tmp_path / "run"), "--nnodes", "2", "--node-rank", "1",
+                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *SMALL, timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert "rendezvous failed" in result.stderr and "frame #" not in result.stderr
+
+
+def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
+    """`--nnodes 2`, one worker each, c10d on 127.0.0.1: the same run as one node with 2 workers."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "ddp_cli", "train", "configs/demo.toml", "--registry",
+               str(demo_registry), "--run-dir", str(tmp_path / f"node{rank}"), "--nnodes", "2",
+               "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "loopback",
+               "--nproc-per-node", "1", "--json", *SMALL]
+        nodes.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))
+    results = []
+    try:
+        for node in nodes:
+            stdout, stderr = node.communicate(timeout=200)
+            results.append(last_json(subprocess.CompletedProcess(node.args, node.returncode, stdout,
+                                                                 stderr)))
+    finally:
+        for node in nodes:
+            node.kill()
+    single = last_json(run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry),
+                               "--run-dir", str(tmp_path / "single"), "--nproc-per-node", "2",
+                               "--json", *SMALL))
+    for node in results:
+        assert node["world_size"] == 2
+        assert node["final"]["images"] == 359
+        assert node["final"]["top1"] == single["final"]["top1"]
+        assert node["final"]["loss"] == pytest.approx(single["final"]["loss"], rel=1e-3)

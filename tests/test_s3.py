@@ -1,0 +1,232 @@
+"""S3 roots against a real S3 endpoint on loopback (moto's server mode, port 0), not a mock of s3fs.
+
+Credentials are fake and set per test only; the secret must never reach a run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+from pathlib import Path
+
+import moto.settings
+import pytest
+import s3fs
+from conftest import REPO, last_json, run_ddp
+from synthetic import make_imagenet_loc, plant, write_registry
+from typer.testing import CliRunner
+
+from ddp_cli.cli import app
+from ddp_cli.data.storage import FileReader, cache_folder
+from ddp_cli.errors import DataError
+from ddp_cli.registry import load_registry
+
+BUCKET = "ddp-test-data"
+KEY, SECRET = "AKIADDPTESTFAKE00000", "ddp-fake-secret-never-in-a-run-dir"
+CLEAN_ENV = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/ddp",
+             "AWS_CONFIG_FILE": "/nonexistent/ddp", "AWS_DEFAULT_REGION": "us-east-1"}
+ENV = {**CLEAN_ENV, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> str:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_registry(s3_endpoint, tmp_path_factory) -> Path:
+    """`imagenet` (clean: 3 classes x 8 train, 7 val) and `faulty` (faults planted) in one bucket."""
+    local = tmp_path_factory.mktemp("s3-upload")
+    make_imagenet_loc(local / "imagenet", classes=3, train_per_class=8, val=7)
+    shutil.copytree(local / "imagenet", local / "faulty")
+    plant(local / "faulty", "ILSVRC/Data/CLS-LOC/train/n00001001/n00001001_3.JPEG", "truncated")
+    plant(local / "faulty", "ILSVRC/Data/CLS-LOC/val/ILSVRC2012_val_00000004.JPEG", "missing")
+    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint},
+                           skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    for name in ("imagenet", "faulty"):
+        fs.put(f"{local / name}/", f"{BUCKET}/{name}/", recursive=True)
+    entries = [{"name": name, "layout": "imagenet-loc",
+                "storage": {"driver": "S3", "path": f"s3://{bucket}/{prefix}", "endpoint_url": s3_endpoint}}
+               for name, bucket, prefix in (("s3data", BUCKET, "imagenet"), ("s3faulty", BUCKET, "faulty"),
+                                            ("nobucket", "ddp-no-such-bucket", "imagenet"))]
+    return write_registry(tmp_path_factory.mktemp("s3-registry"), entries)
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    """Fake credentials in this test's environment only; a fresh s3fs per test (no cached sessions)."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield monkeypatch
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def one_error(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    return lines[0]
+
+
+def test_datasets_check_on_s3_finds_the_planted_faults(s3_registry, aws):
+    result = invoke("datasets", "check", "s3faulty", "--registry", str(s3_registry), "--json")
+    assert result.exit_code == 3, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["splits"] == {"train": {"images": 24, "classes": 3}, "val": {"images": 7, "classes": 3}}
+    assert out["bad_files"] == [
+        {"path": "ILSVRC/Data/CLS-LOC/train/n00001001/n00001001_3.JPEG", "reason": "truncated"},
+        {"path": "ILSVRC/Data/CLS-LOC/val/ILSVRC2012_val_00000004.JPEG", "reason": "missing file"},
+    ]
+    clean = invoke("datasets", "check", "s3data", "--registry", str(s3_registry), "--json")
+    assert clean.exit_code == 0, clean.output
+    assert json.loads(clean.stdout.strip().splitlines()[-1])["bad_files"] == []
+
+
+def test_missing_bucket_is_a_data_error(s3_registry, aws):
+    result = invoke("datasets", "check", "nobucket", "--registry", str(s3_registry))
+    assert result.exit_code == 3
+    assert "s3://ddp-no-such-bucket/imagenet: no such bucket" in one_error(result)
+
+
+def test_missing_prefix_is_a_data_error(s3_endpoint, aws, tmp_path):
+    registry = write_registry(tmp_path, [{"name": "x", "layout": "imagenet-loc", "storage": {
+        "driver": "S3", "path": f"s3://{BUCKET}/no-such-prefix", "endpoint_url": s3_endpoint}}])
+    result = invoke("datasets", "show", "x", "--registry", str(registry))
+    assert result.exit_code == 3 and "no such prefix" in one_error(result)
+
+
+def test_missing_credentials_is_a_data_error(s3_registry, aws):
+    aws.delenv("AWS_ACCESS_KEY_ID")
+    aws.delenv("AWS_SECRET_ACCESS_KEY")
+    result = invoke("datasets", "show", "s3data", "--registry", str(s3_registry))
+    assert result.exit_code == 3
+    line = one_error(result)
+    assert "no AWS credentials found" in line and "AWS_PROFILE" in line
+
+
+def test_missing_profile_is_a_data_error(s3_endpoint, aws, tmp_path):
+    registry = write_registry(tmp_path, [{"name": "p", "layout": "imagenet-loc", "storage": {
+        "driver": "S3", "path": f"s3://{BUCKET}/imagenet", "endpoint_url": s3_endpoint,
+        "profile": "ddp-no-such-profile"}}])
+    result = invoke("datasets", "show", "p", "--registry", str(registry))
+    assert result.exit_code == 3 and "ddp-no-such-profile" in one_error(result)
+
+
+def test_refused_credentials_are_a_data_error(s3_registry, aws):
+    aws.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server now checks keys
+    result = invoke("datasets", "show", "s3data", "--registry", str(s3_registry))
+    assert result.exit_code == 3
+    line = one_error(result)
+    assert "access refused" in line and SECRET not in result.output
+
+
+def _read_in_child(reader: FileReader, path: str, queue) -> None:
+    try:
+        queue.put(reader.read(path))
+    except Exception as e:  # report, do not hang the parent
+        queue.put(repr(e))
+
+
+def test_reader_made_before_fork_reads_in_the_forked_child(s3_registry, aws):
+    """DataLoader workers are forked; s3fs alone refuses ("This class is not fork-safe")."""
+    fs, root = load_registry(s3_registry).get("s3data").open()
+    reader = FileReader(fs, root)
+    path = "LOC_synset_mapping.txt"
+    expected = reader.read(path)  # the parent's filesystem and event loop are live
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(reader, path, queue))
+    child.start()
+    try:
+        assert queue.get(timeout=60) == expected
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert reader.read(path) == expected  # and the parent's still works
+
+
+def test_cache_serves_later_reads_without_the_bucket(s3_endpoint, aws, tmp_path):
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint})
+    fs.pipe_file(f"{BUCKET}/cached/a/b.JPEG", b"first version")
+    reader = FileReader(fs, f"{BUCKET}/cached", tmp_path / "cache")
+    assert reader.cache == tmp_path / "cache" / s3_endpoint.removeprefix("http://").replace(":", "_") \
+        / BUCKET / "cached"
+    assert reader.read("a/b.JPEG") == b"first version"
+    assert (reader.cache / "a" / "b.JPEG").read_bytes() == b"first version"
+    fs.rm(f"{BUCKET}/cached/a/b.JPEG")  # gone from the bucket: only the cache can answer now
+    assert reader.read("a/b.JPEG") == b"first version"
+    assert [p.name for p in (reader.cache / "a").iterdir()] == ["b.JPEG"]  # no partial files left
+    with pytest.raises(FileNotFoundError):
+        reader.read("a/never-there.JPEG")
+
+
+def test_no_cache_for_local_roots(tmp_path):
+    import fsspec
+
+    assert cache_folder(fsspec.filesystem("file"), str(tmp_path), tmp_path / "cache") is None
+
+
+def test_refusal_while_reading_is_a_data_error_naming_the_file(s3_registry, aws):
+    """Keys revoked mid-run: the read fails with the file and the fix, not a botocore traceback."""
+    fs, root = load_registry(s3_registry).get("s3data").open()
+    aws.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    aws.setenv("AWS_ACCESS_KEY_ID", "AKIAREVOKED000000000")
+    s3fs.S3FileSystem.clear_instance_cache()
+    revoked = FileReader(s3fs.S3FileSystem(client_kwargs=fs.storage_options["client_kwargs"]), root)
+    with pytest.raises(DataError, match=f"{root}/LOC_synset_mapping.txt: access refused"):
+        revoked.read("LOC_synset_mapping.txt")
+
+
+CONFIG = """name = "s3"
+[data]
+dataset = "s3data"
+image_size = 32
+val_resize = 36
+batch_size = 4
+[model]
+name = "resnet_tiny"
+[schedule]
+name = "constant"
+[train]
+epochs = 1
+[distributed]
+nproc_per_node = 2
+backend = "gloo"
+timeout_s = 60
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 1])
+def test_train_one_epoch_from_s3(s3_registry, tmp_path, workers):
+    config = tmp_path / "s3.toml"
+    config.write_text(CONFIG)
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    result = run_ddp("train", str(config), "--registry", str(s3_registry), "--run-dir", str(run_dir),
+                     "--json", "--set", f"data.workers={workers}", "--set", f'data.cache_dir="{cache}"',
+                     cwd=REPO, env=ENV, timeout=180)
+    out = last_json(result)
+    assert out["world_size"] == 2 and out["final"]["images"] == 7 and out["skipped_images"] == 0
+    cached = sorted(p.name for p in cache.rglob("*.JPEG"))
+    assert len(cached) == 24 + 7  # every train and val image, downloaded once into the cache
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert SECRET.encode() not in data and KEY.encode() not in data, path
+    assert SECRET not in result.stdout + result.stderr
