@@ -1,5 +1,5 @@
 """`python -m ddp_cli` (and `torchrun -m ddp_cli train ...`) run the CLI."""
 
-from ddp_cli.cli import main
+from ddp_cli.cli import run
 
-main()
+run()

@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - older typer on real click
 
 from ddp_cli import __version__
 from ddp_cli.errors import INTERNAL, SIGINT, USAGE, DdpError
+from ddp_cli.fastexit import run_and_exit
 
 app = typer.Typer(no_args_is_help=True, help="Train image classifiers data-parallel on "
                   "torch.distributed from one TOML file.", rich_markup_mode="markdown")
@@ -297,6 +298,162 @@ def bench_data(
     emit(result, as_json, lambda: print_bench(result))
 
 
+ModelOpt = Annotated[str, typer.Option(help="Model name (torchvision or resnet_tiny).")]
+BatchOpt = Annotated[int, typer.Option(min=1, help="Images per worker per step.")]
+SizeOpt = Annotated[int, typer.Option(min=8, help="Image side, pixels.")]
+WorldOpt = Annotated[int, typer.Option(min=1, help="Worker processes (gloo on loopback).")]
+ThreadsOpt = Annotated[int, typer.Option(min=1, help="Intra-op threads per worker.")]
+StepsOpt = Annotated[int, typer.Option(min=1, help="Timed steps per variant and round.")]
+RoundsOpt = Annotated[int, typer.Option(min=1, help="Alternating rounds (noise hits every variant).")]
+
+
+def step_spec(model: str, batch_size: int, image_size: int, steps: int, rounds: int):
+    from ddp_cli.bench.step import StepSpec
+    from ddp_cli.models import known_models
+
+    if model not in known_models():
+        from ddp_cli.errors import ConfigError, did_you_mean
+
+        raise ConfigError(f"--model {model}: unknown model{did_you_mean(model, known_models())}")
+    return StepSpec(model=model, batch_size=batch_size, image_size=image_size, steps=steps, rounds=rounds)
+
+
+@bench_app.command("step")
+@exits
+def bench_step(
+    model: ModelOpt = "resnet_tiny",
+    batch_size: BatchOpt = 32,
+    image_size: SizeOpt = 32,
+    world_size: WorldOpt = 2,
+    threads: ThreadsOpt = 1,
+    steps: StepsOpt = 10,
+    rounds: RoundsOpt = 4,
+    as_json: JsonOpt = False,
+) -> None:
+    """Training images/s of ddp's train_step vs the PyTorch DDP tutorial's loop, and where a step's time goes.
+
+    Examples:
+
+    * `ddp bench step`
+    * `ddp bench step --model resnet18 --image-size 112 --steps 10 --json`
+    """
+    from ddp_cli.bench.step import bench_step as run
+
+    result = run(step_spec(model, batch_size, image_size, steps, rounds), world_size, threads)
+    emit(result, as_json, lambda: print_bench(result))
+
+
+@bench_app.command("scaling")
+@exits
+def bench_scaling(
+    model: ModelOpt = "resnet_tiny",
+    batch_size: BatchOpt = 32,
+    image_size: SizeOpt = 32,
+    world_size: Annotated[int, typer.Option(min=2, help="Workers to compare with one.")] = 2,
+    threads: ThreadsOpt = 1,
+    steps: StepsOpt = 20,
+    rounds: RoundsOpt = 3,
+    as_json: JsonOpt = False,
+) -> None:
+    """Images/s at world size 1 and N (same per-worker batch and threads), efficiency, exposed all-reduce.
+
+    Examples:
+
+    * `ddp bench scaling`
+    * `ddp bench scaling --model resnet18 --image-size 112 --json`
+    """
+    from ddp_cli.bench.scaling import bench_scaling as run
+
+    result = run(step_spec(model, batch_size, image_size, steps, rounds), world_size, threads)
+    emit(result, as_json, lambda: print_bench(result))
+
+
+@bench_app.command("options")
+@exits
+def bench_options(
+    model: ModelOpt = "resnet_tiny",
+    batch_size: BatchOpt = 32,
+    image_size: SizeOpt = 32,
+    world_size: WorldOpt = 2,
+    threads: ThreadsOpt = 1,
+    steps: StepsOpt = 10,
+    rounds: RoundsOpt = 3,
+    only: Annotated[str | None, typer.Option(help="Variants to run, comma-separated (default: all).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """ddp's step with one DDP/compile setting changed at a time, against ddp's defaults.
+
+    Examples:
+
+    * `ddp bench options`
+    * `ddp bench options --model resnet18 --image-size 112 --only defaults,static_graph=true`
+    """
+    from ddp_cli.bench.options import VARIANTS
+    from ddp_cli.bench.options import bench_options as run
+    from ddp_cli.errors import ConfigError
+
+    names = only.split(",") if only else None
+    unknown = sorted(set(names or []) - set(VARIANTS))
+    if unknown:
+        raise ConfigError(f"--only {only}: unknown variant {unknown[0]!r}; known: {', '.join(VARIANTS)}")
+    result = run(step_spec(model, batch_size, image_size, steps, rounds), world_size, threads, names)
+    emit(result, as_json, lambda: print_bench(result))
+
+
+@bench_app.command("allreduce")
+@exits
+def bench_allreduce(
+    sizes: Annotated[str, typer.Option(help="Buffer sizes, MiB, comma-separated.")] = "1,4,16,64",
+    world_size: WorldOpt = 2,
+    budget: Annotated[float, typer.Option(min=1, help="MiB reduced per size (repeats = budget/size).")] = 512,
+    as_json: JsonOpt = False,
+) -> None:
+    """gloo all-reduce bandwidth for gradient-sized buffers vs a local memory copy of the same size.
+
+    Examples:
+
+    * `ddp bench allreduce`
+    * `ddp bench allreduce --sizes 0.25,1,4 --json`
+    """
+    from ddp_cli.bench.allreduce import bench_allreduce as run
+    from ddp_cli.errors import ConfigError
+
+    try:
+        sizes_mb = [float(s) for s in sizes.split(",")]
+    except ValueError:
+        raise ConfigError(f"--sizes {sizes}: expected MiB numbers separated by commas, e.g. 1,4,16") from None
+    if not sizes_mb or min(sizes_mb) <= 0:
+        raise ConfigError(f"--sizes {sizes}: sizes must be positive")
+    result = run(sizes_mb, world_size, 1, budget)
+    emit(result, as_json, lambda: print_bench(result))
+
+
+DEMO_CONFIG = Path("configs/demo.toml")
+
+
+@bench_app.command("e2e")
+@exits
+def bench_e2e(
+    config: Annotated[Path, typer.Argument(help="Run config with a local data set.")] = DEMO_CONFIG,
+    target: Annotated[float, typer.Option(min=0, max=1, help="Val top-1 to reach.")] = 0.95,
+    rounds: Annotated[int, typer.Option(min=1, help="Alternating rounds of both runs.")] = 1,
+    epochs: Annotated[int | None, typer.Option(min=1, help="Epochs (default: the config's).")] = None,
+    registry: RegistryOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Wall time to reach a val top-1 target: `ddp train` vs a hand-written torchrun script, same recipe.
+
+    Examples:
+
+    * `ddp bench e2e`
+    * `ddp bench e2e configs/demo.toml --rounds 3 --json`
+    """
+    from ddp_cli.bench.e2e import bench_e2e as run
+
+    result = run(config, registry, target, rounds, epochs)
+    emit(result, as_json, lambda: print_bench(result))
+
+
 @app.command()
 @exits
 def report(
@@ -367,6 +524,11 @@ def print_train_summary(result: dict[str, Any]) -> None:
 
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def run() -> None:
+    """The `ddp` executable: `main()`, then exit without the interpreter's slow teardown."""
+    run_and_exit(main)
 
 
 def main() -> None:

@@ -52,15 +52,13 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def resume_from(resume: str, run_dir: Path) -> str | None:
-    if resume == "never":
-        return None
-    if resume == "auto":
-        last = run_dir / "checkpoints" / "last.pt"
-        return str(last) if last.is_file() else None
+def checked_resume(resume: str) -> str:
+    """auto | never | an existing checkpoint (made absolute); the workers resolve `auto`."""
+    if resume in ("auto", "never"):
+        return resume
     if not Path(resume).is_file():
         raise ConfigError(f"--resume {resume}: no such checkpoint; use auto, never or a .pt path")
-    return resume
+    return str(Path(resume).resolve())
 
 
 def train(config: Path, overrides: list[str], registry: str | None, run_dir: Path | None,
@@ -72,8 +70,7 @@ def train(config: Path, overrides: list[str], registry: str | None, run_dir: Pat
     checked_model(cfg, index)
     run_dir = (run_dir or default_run_dir(cfg)).resolve()
     nproc = resolve_nproc(opts, cfg.distributed)
-    checkpoint = resume_from(resume, run_dir)
-    prepare_job(run_dir, cfg, entry, index, Job("train", quiet, checkpoint))
+    prepare_job(run_dir, cfg, entry, index, Job("train", quiet, resume=checked_resume(resume)))
     launch(run_dir, nproc, opts, cfg.distributed)
     return read_result(run_dir)
 
@@ -87,8 +84,7 @@ def train_under_torchrun(cfg: RunConfig, registry: str | None, run_dir: Path | N
         entry, index = resolve_dataset(cfg, registry)
         checked_model(cfg, index)
         folder[0] = str((run_dir or default_run_dir(cfg)).resolve())
-        checkpoint = resume_from(resume, Path(folder[0]))
-        prepare_job(Path(folder[0]), cfg, entry, index, Job("train", quiet, checkpoint))
+        prepare_job(Path(folder[0]), cfg, entry, index, Job("train", quiet, resume=checked_resume(resume)))
     dist.broadcast_object_list(folder, src=0)
     code = run_job(Path(folder[0]))
     if code:

@@ -168,8 +168,9 @@ class ScheduleConfig(Section):
 
 class TrainConfig(Section):
     epochs: int = Field(90, ge=1, description="Passes over the training split.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="Autocast precision; fp16 uses a GradScaler and needs CUDA."
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
+        "fp32", description="Autocast precision; fp16 uses a GradScaler and needs CUDA; auto = bf16 "
+        "where the device computes it natively (CUDA 8.0+, CPUs with AVX-512 BF16 or AMX), else fp32."
     )
     grad_accum: int = Field(1, ge=1, description="Micro-steps per optimisation step.")
     max_steps_per_epoch: int = Field(0, ge=0, description="Cap on steps per epoch (0 = whole epoch).")
@@ -213,6 +214,10 @@ class DistributedConfig(Section):
         120, ge=1, description="How long nodes wait for each other (and for the endpoint) to rendezvous."
     )
     max_restarts: int = Field(0, ge=0, description="Elastic restarts of the worker group on failure.")
+    stop_grace_s: int = Field(
+        120, ge=1, description="On SIGTERM/SIGINT, how long workers get to finish the step and "
+        "checkpoint before they are killed.",
+    )
 
 
 class WandbConfig(Section):

@@ -26,7 +26,8 @@ from ddp_cli.train.checkpoint import atomic_write
 class Job:
     mode: str  # "train" | "validate"
     quiet: bool = False
-    checkpoint: str | None = None  # validate: the checkpoint; train: resume from it
+    checkpoint: str | None = None  # validate: the checkpoint to evaluate
+    resume: str = "never"  # train: auto | never | a checkpoint path
 
 
 def prepare_job(folder: Path, cfg: RunConfig, entry: DatasetEntry, index: IndexTable, job: Job) -> None:

@@ -184,6 +184,10 @@ class LiveRun:
         return "".join(self.lines)
 
     def kill(self) -> None:
-        """Kill the whole process group: launcher, workers, loader processes."""
+        """Kill the launcher's process group and its workers (the agent gives them sessions of their own)."""
+        workers = self.workers()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, 9)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)

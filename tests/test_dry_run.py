@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import REPO, last_json, run_ddp
 from synthetic import make_imagenet_loc, write_registry
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
+from ddp_cli.train.precision import resolve_precision
 
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 NAMED = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
@@ -55,7 +57,8 @@ def test_the_fast_recipe_plans_its_ramp_and_its_lr(tiny):
     plan = json.loads(result.stdout.strip().splitlines()[-1])
     assert plan["image_size"] == {"train from epoch 1": 160, "train from epoch 33": 192, "val": 256}
     assert plan["lr"] == pytest.approx(0.10625 * 2 / 256)
-    assert (plan["precision"], plan["channels_last"], plan["schedule"]) == ("bf16", True, "poly")
+    native = resolve_precision("auto", torch.device("cpu"))  # "auto" resolved for this machine
+    assert (plan["precision"], plan["channels_last"], plan["schedule"]) == (native, True, "poly")
     assert plan["warmup_steps"] == 2 * plan["steps_per_epoch"]
     assert plan["lr_schedule"][f"step {plan['warmup_steps']} (warmup done)"] == pytest.approx(plan["lr"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -47,19 +48,24 @@ def test_a_busy_rendezvous_port_is_a_usage_error(demo_registry, tmp_path):
 def test_an_unreachable_rendezvous_is_a_data_error_not_a_hang(demo_registry, tmp_path):
     result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
                      str(tmp_path / "run"), "--nnodes", "2", "--node-rank", "1",
-                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *SMALL, timeout=120)
+                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *SMALL,
+                     "--set", "distributed.rdzv_timeout_s=3", timeout=120)
     assert result.returncode == 3, result.stderr
     assert "rendezvous failed" in result.stderr and "frame #" not in result.stderr
 
 
 def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
-    """`--nnodes 2`, one worker each, c10d on 127.0.0.1: the same run as one node with 2 workers."""
+    """`--nnodes 2`, one worker each, c10d on 127.0.0.1: the same run as one node with 2 workers.
+
+    Every worker gets one thread (as 2 workers on one 2-core node do): kernels
+    reduce in a thread-count-dependent order, so equal results need equal threads."""
     import subprocess
     import sys
 
     from conftest import REPO
 
     endpoint = f"127.0.0.1:{free_port()}"
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = []
     for rank in (0, 1):
         cmd = [sys.executable, "-m", "ddp_cli", "train", "configs/demo.toml", "--registry",
@@ -67,7 +73,7 @@ def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
                "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "loopback",
                "--nproc-per-node", "1", "--json", *SMALL]
         nodes.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True))
+                                      text=True, start_new_session=True, env=one_thread))
     results = []
     try:
         for node in nodes:
@@ -79,7 +85,7 @@ def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
             node.kill()
     single = last_json(run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry),
                                "--run-dir", str(tmp_path / "single"), "--nproc-per-node", "2",
-                               "--json", *SMALL))
+                               "--json", *SMALL, env={"OMP_NUM_THREADS": "1"}))
     for node in results:
         assert node["world_size"] == 2
         assert node["final"]["images"] == 359

@@ -9,6 +9,7 @@ image is counted exactly once whatever the world size.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -31,17 +32,19 @@ SKIP_ATTEMPTS = 16
 class ShardSampler(Sampler[int]):
     """Rank `rank`'s share of [0, n): shuffled per epoch (train) or in order (val).
 
-    With `size_at(epoch)` (progressive resizing) it yields `(index, image side)`
-    pairs for `EpochSized`.
+    `set_epoch(epoch, skip)` resumes mid-epoch: the first `skip` indices of this
+    rank's share (already trained on) are left out. With `with_epoch` it yields
+    `(index, epoch)` pairs for `EpochItems`.
     """
 
     def __init__(self, n: int, rank: int, world_size: int, shuffle: bool, seed: int = 0,
-                 size_at: Callable[[int], int] | None = None) -> None:
+                 with_epoch: bool = False) -> None:
         self.n, self.rank, self.world_size = n, rank, world_size
-        self.shuffle, self.seed, self.epoch, self.size_at = shuffle, seed, 0, size_at
+        self.shuffle, self.seed, self.epoch, self.skip = shuffle, seed, 0, 0
+        self.with_epoch = with_epoch
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip
 
     def _order(self) -> list[int]:
         if not self.shuffle:
@@ -53,11 +56,8 @@ class ShardSampler(Sampler[int]):
         return order[: self.n - self.n % self.world_size].tolist()  # equal shares, no repeats
 
     def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
-        mine = self._order()[self.rank :: self.world_size]
-        if self.size_at is None:
-            return iter(mine)
-        size = self.size_at(self.epoch)
-        return ((i, size) for i in mine)
+        mine = self._order()[self.rank :: self.world_size][self.skip :]
+        return ((i, self.epoch) for i in mine) if self.with_epoch else iter(mine)
 
     def __len__(self) -> int:
         if self.shuffle:
@@ -131,25 +131,39 @@ class ImageDataset(Dataset):
         return blank, self.labels[index], "", message
 
 
-class EpochSized(Dataset):
-    """Progressive resizing that reaches persistent loader processes.
+class EpochItems(Dataset):
+    """Training items that depend on the epoch, whichever process loads them.
 
-    Those processes hold their own copy of the dataset and never see an
-    attribute the trainer changes between epochs, so the side travels with
-    each index (`ShardSampler(size_at=...)` yields `(index, side)`) and is
-    applied here, in whichever process loads the item.
+    Persistent loader processes hold their own copy of the dataset and never
+    see an attribute changed between epochs, so the epoch travels with each
+    index (`ShardSampler(with_epoch=True)`). From it come the crop side under
+    progressive resizing, and the augmentation's random numbers: seeded by
+    (seed, epoch, index), so a sample is augmented the same way whatever the
+    number of loader processes, and a resumed run sees exactly what an
+    uninterrupted one would have.
     """
 
-    def __init__(self, dataset: ImageDataset) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset: ImageDataset, seed: int,
+                 size_at: Callable[[int], int] | None = None) -> None:
+        self.dataset, self.seed, self.size_at = dataset, seed, size_at
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, item: tuple[int, int]):
-        index, size = item
-        self.dataset.transform.size = self.dataset.out_size = size
-        return self.dataset[index]
+        index, epoch = item
+        if self.size_at:
+            self.dataset.transform.size = self.dataset.out_size = self.size_at(epoch)
+        with torch.random.fork_rng(devices=[]):  # the loading process's own RNG stays untouched
+            torch.manual_seed(int(np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0]))
+            return self.dataset[index]
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """Loader processes leave SIGINT/SIGTERM (sent to the whole process group) to their trainer,
+    which keeps using them for the step it finishes before checkpointing; they end with it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def skipped_files(field: list[str]) -> list[str]:
@@ -190,6 +204,7 @@ def make_loader(
         pin_memory=pin_memory,
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=ignore_stop_signals,
     )
 
 
@@ -210,10 +225,11 @@ def build_loaders(
                size_at: Callable[[int], int] | None = None) -> tuple[DataLoader, ShardSampler]:
         table = index.splits[split]
         dataset = ImageDataset(fs, root, table, transform, cfg.on_bad_image, transform.size, cfg.cache_dir)
-        sampler = ShardSampler(len(dataset), rank, world_size, shuffle=shuffle, seed=seed, size_at=size_at)
-        return make_loader(EpochSized(dataset) if size_at else dataset, sampler, cfg.batch_size,
-                           cfg.workers, cfg.prefetch_factor, pin_memory, drop_last=shuffle,
-                           seed=seed + 1000 * (rank + 1)), sampler
+        sampler = ShardSampler(len(dataset), rank, world_size, shuffle=shuffle, seed=seed,
+                               with_epoch=shuffle)
+        items = EpochItems(dataset, seed, size_at) if shuffle else dataset
+        return make_loader(items, sampler, cfg.batch_size, cfg.workers, cfg.prefetch_factor, pin_memory,
+                           drop_last=shuffle, seed=seed + 1000 * (rank + 1)), sampler
 
     val, _ = loader("val", ValTransform(cfg.val_image_size or cfg.image_size, cfg.val_resize), shuffle=False)
     if not train:

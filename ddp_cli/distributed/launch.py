@@ -130,6 +130,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
                       "join_timeout": cfg.rdzv_timeout_s},
         max_restarts=cfg.max_restarts if opts.max_restarts is None else opts.max_restarts,
         monitor_interval=0.1,
+        shutdown_timeout=cfg.stop_grace_s,
     )
     quiet_torch_logs()
     clear_errors(job_dir)
@@ -140,7 +141,10 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         raise failure(job_dir, e) from None
     except SignalException as e:  # the agent has already passed the signal on to the workers
         code = SIGINT if e.sigval == signal.SIGINT else SIGTERM
-        raise WorkerFailed(f"interrupted by {signal.Signals(e.sigval).name}", code) from None
+        stopped = first_error(job_dir)  # the workers' own account: where their checkpoint is
+        message = stopped["message"] if stopped and stopped["exit_code"] == code else \
+            f"interrupted by {signal.Signals(e.sigval).name}"
+        raise WorkerFailed(message, code) from None
     except RendezvousError as e:
         endpoint = opts.rdzv_endpoint or "127.0.0.1"
         if hosts and opts.rdzv_endpoint:

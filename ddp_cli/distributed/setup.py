@@ -48,7 +48,10 @@ def choose_device(backend: str, local_rank: int) -> torch.device:
 
 
 def threads_per_worker(local_world_size: int) -> int:
-    """Split this machine's cores evenly among its workers (at least one each)."""
+    """OMP_NUM_THREADS if set (by the user, or an external torchrun), else this machine's
+    cores split evenly among its workers (at least one each)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, local_world_size))
 
@@ -67,14 +70,31 @@ def setup(backend: str = "auto", timeout_s: int = 600) -> DistContext:
     if device.type == "cpu":
         torch.set_num_threads(threads_per_worker(local_world))
     if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
+            store=attempt_store(world_size, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
     return DistContext(rank, world_size, local_rank, local_world, device, backend)
+
+
+def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """The elastic agent's store, under a prefix of its own for each restart attempt.
+
+    The agent keeps one TCPStore for the whole job and torch's env:// join adds
+    no per-attempt prefix, so the workers of a restarted group could read the
+    dead group's addresses (gloo then connects to a closed port: "Connection
+    refused", or hangs). None outside an elastic agent: env:// as usual.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT", 0), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"ddp/attempt-{env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

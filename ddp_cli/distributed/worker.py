@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -23,11 +25,13 @@ from ddp_cli.data.layouts import IndexTable
 from ddp_cli.data.loaders import build_loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything, setup, teardown
 from ddp_cli.errors import INTERNAL, SIGINT, ConfigError, DdpError
+from ddp_cli.fastexit import exit_now
 from ddp_cli.jobs import Job, read_job, record_error, write_result
 from ddp_cli.models import build_model, load_weights
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.registry import DatasetEntry
-from ddp_cli.train.checkpoint import load_checkpoint
+from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint
+from ddp_cli.train.precision import resolve_precision
 from ddp_cli.train.trainer import Trainer, evaluate
 
 log = logging.getLogger("ddp")
@@ -51,6 +55,28 @@ def assert_identical_across_ranks(model: nn.Module, when: str) -> None:
         raise RuntimeError(f"replicas hold different weights {when}")
 
 
+def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
+    """Where training continues from, the same on every rank.
+
+    After an elastic restart always the newest valid checkpoint of the run
+    (that is the point of restarting); otherwise as --resume says. Rank 0
+    decides; others open the same file name in their own node's run dir.
+    """
+    choice: list[str | None] = [None]
+    if ctx.rank == 0:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        if restarted or job.resume == "auto":
+            latest = CheckpointStore(folder / "checkpoints", 1).latest_valid()
+            choice[0] = latest.name if latest else None
+        elif job.resume != "never":
+            choice[0] = job.resume
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    path = Path(choice[0])
+    return path if path.is_absolute() else folder / "checkpoints" / path
+
+
 def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
               index: IndexTable, job: Job) -> dict[str, Any]:
     seed_everything(cfg.seed, cfg.deterministic)
@@ -64,8 +90,12 @@ def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntr
     extra = {"config": cfg.model_dump(mode="json"), "dataset": entry.model_dump(mode="json"),
              "classes": index.classes}
     trainer = Trainer(cfg, ctx, loaders, model, folder, extra, console)
-    if job.checkpoint:
-        trainer.resume(load_checkpoint(job.checkpoint))
+    checkpoint = resume_point(job, folder, ctx)
+    if checkpoint:
+        trainer.resume(load_checkpoint(checkpoint))
+        if ctx.is_main:  # said even with --quiet/--json: a run that did not start fresh must say so
+            log.info(f"resumed from {checkpoint} (epoch {trainer.state.epoch + 1}, "
+                     f"step {trainer.state.step})")
     try:
         assert_identical_across_ranks(trainer.model.module, "at the start")
         result = trainer.fit()
@@ -94,7 +124,8 @@ def validate_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetE
     fs, root = entry.open()
     loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
                             pin_memory=ctx.device.type == "cuda", train=False)
-    metrics = evaluate(model, loaders.val, ctx.device, cfg.train.precision, cfg.model.channels_last)
+    precision = resolve_precision(cfg.train.precision, ctx.device)
+    metrics = evaluate(model, loaders.val, ctx.device, precision, cfg.model.channels_last)
     return {"checkpoint": job.checkpoint, "dataset": entry.name, "split": "val",
             "world_size": ctx.world_size, **metrics}
 
@@ -150,9 +181,27 @@ def fail(folder: Path, rank: int, exit_code: int, message: str, original: bool) 
     return exit_code
 
 
+def die_with_launcher(poll_s: float = 1.0) -> None:
+    """Exit when the process that started this worker is gone (killed with SIGKILL, say).
+
+    The elastic agent starts workers in sessions of their own, so killing the
+    launcher's process group does not reach them; without this they would live
+    on as orphans, blocked in a collective until the process-group timeout.
+    """
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        os._exit(INTERNAL)  # no cleanup to wait for: the group is gone with the launcher
+
+    threading.Thread(target=watch, name="ddp-launcher-watch", daemon=True).start()
+
+
 def main() -> None:
     logging.basicConfig(level=os.environ.get("DDP_LOG_LEVEL", "INFO"), format="%(message)s")
-    sys.exit(run_job(Path(sys.argv[1])))
+    die_with_launcher()
+    exit_now(run_job(Path(sys.argv[1])))
 
 
 if __name__ == "__main__":

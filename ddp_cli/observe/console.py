@@ -57,7 +57,7 @@ class RunConsole:
         title = f"epoch {epoch + 1}/{epochs}"
         if not self.terminal:
             def update(step: int, **fields: float) -> None:
-                if self.enabled and (step % self.every_steps == 0 or step == steps):
+                if self.enabled and step and (step % self.every_steps == 0 or step == steps):
                     log.info(f"{title} step {step}/{steps} {_fmt(fields)}")
             yield update
             return

@@ -10,8 +10,9 @@ from ddp_cli.config import RunConfig
 from ddp_cli.distributed.reduce import powersgd_warmup
 from ddp_cli.distributed.setup import choose_backend
 from ddp_cli.models import count_parameters
+from ddp_cli.train.precision import resolve_precision
 from ddp_cli.train.schedules import lr_factor, warmup_steps
-from ddp_cli.train.trainer import check_precision, count_steps
+from ddp_cli.train.trainer import count_steps
 
 
 def lr_preview(cfg: RunConfig, lr: float, steps: int) -> dict[str, float]:
@@ -42,7 +43,7 @@ def describe(cfg: RunConfig, model: torch.nn.Module, splits: dict[str, int], cla
     world = nproc * nnodes
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = choose_backend(cfg.distributed.backend, cuda, nproc)
-    check_precision(cfg.train.precision, torch.device("cuda" if backend == "nccl" else "cpu"))
+    precision = resolve_precision(cfg.train.precision, torch.device("cuda" if backend == "nccl" else "cpu"))
     global_batch = world * cfg.data.batch_size * cfg.train.grad_accum
     steps = count_steps(splits["train"] // world // cfg.data.batch_size, cfg.train)  # as a rank will
     lr = cfg.optim.effective_lr(global_batch)
@@ -72,7 +73,7 @@ def describe(cfg: RunConfig, model: torch.nn.Module, splits: dict[str, int], cla
         "warmup_steps": warmup_steps(cfg.schedule, steps),
         "lr_schedule": lr_preview(cfg, lr, steps),
         "image_size": image_sizes(cfg),
-        "precision": cfg.train.precision,
+        "precision": precision,  # "auto" resolved for this node's devices
         "channels_last": cfg.model.channels_last,
         "compile": cfg.train.compile,
         "ema_decay": cfg.train.ema_decay,

@@ -3,11 +3,15 @@
 `fit()` is the whole run: for each epoch, `train_epoch()` (micro-batches through
 DDP with `no_sync` on all but the last, one optimiser and schedule step each),
 then `validate()` over the whole val split (and of the weights' EMA, if on),
-then a checkpoint. Only rank 0 prints and writes.
+then a checkpoint. Checkpoints also come every `checkpoint.every_steps` and
+when a signal asks every rank to stop; each holds enough (sampler position,
+every rank's RNG) to resume exactly. Rank 0 alone prints and logs; each
+node's first worker writes checkpoints, so every node can resume.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -23,27 +27,17 @@ from ddp_cli.data.loaders import Loaders, requested, skipped_files
 from ddp_cli.data.transforms import to_model_input
 from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext
-from ddp_cli.errors import ConfigError, DataError, DivergedError
+from ddp_cli.distributed.signals import StopRequest, control_group
+from ddp_cli.errors import ConfigError, DataError, DdpError, DivergedError
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import build_sinks
-from ddp_cli.train.checkpoint import save_checkpoint
+from ddp_cli.train import rng
+from ddp_cli.train.checkpoint import CheckpointStore
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.optim import build_optimizer
+from ddp_cli.train.precision import autocast, resolve_precision
 from ddp_cli.train.schedules import build_scheduler
-
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast(device: torch.device, precision: str):
-    if precision == "fp32":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=AUTOCAST[precision])
-
-
-def check_precision(precision: str, device: torch.device) -> None:
-    if precision == "fp16" and device.type != "cuda":
-        raise ConfigError('train.precision: fp16 needs CUDA (GradScaler); use "bf16" on CPU')
 
 
 def count_steps(batches: int, cfg: TrainConfig) -> int:
@@ -105,8 +99,10 @@ def evaluate(
 class RunState:
     """What a checkpoint remembers besides the tensors."""
 
-    epoch: int = 0
-    step: int = 0
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimisation steps completed, all epochs
+    step_in_epoch: int = 0  # of the epoch under way (0 at an epoch boundary)
+    running: list[float] = field(default_factory=lambda: [0.0, 0.0])  # its loss sum, steps
     best_top1: float = -1.0
     history: list[dict[str, Any]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
@@ -117,7 +113,7 @@ class RunState:
 class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, loaders: Loaders, model: nn.Module,
                  run_dir: Path, extra_state: dict[str, Any], console: RunConsole) -> None:
-        check_precision(cfg.train.precision, ctx.device)
+        self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.cfg, self.ctx, self.loaders, self.run_dir = cfg, ctx, loaders, run_dir
         self.extra_state, self.console = extra_state, console
         self.accum = cfg.train.grad_accum
@@ -131,10 +127,12 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.model.module, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.steps_per_epoch,
                                          self.steps_per_epoch * cfg.train.epochs)
-        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.train.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.precision == "fp16")
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
         self.state = RunState()
         self.metrics = build_sinks(cfg.logging, run_dir, cfg.model_dump(mode="json")) if ctx.is_main else None
+        self.store = CheckpointStore(run_dir / "checkpoints", cfg.checkpoint.keep_last)
+        self.stop = StopRequest(control_group(ctx.backend))
 
     def fit(self) -> dict[str, Any]:
         cfg, images_seen, train_seconds = self.cfg, 0, 0.0
@@ -150,6 +148,7 @@ class Trainer:
             self.state.skipped_files = sorted(bad.union(self.state.skipped_files))
             skipped = len(bad)
             self.state.epoch, self.state.final, self.state.final_ema = epoch + 1, val, ema_val
+            self.state.step_in_epoch, self.state.running = 0, [0.0, 0.0]
             row = {"epoch": epoch + 1, "train_loss": train_loss, "val_loss": val["loss"],
                    "top1": val["top1"], "top5": val["top5"], "seconds": seconds,
                    "images_per_second": self.steps_per_epoch * self.global_batch / seconds,
@@ -161,25 +160,30 @@ class Trainer:
             if ema_val:
                 self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val})
             self.console.epoch_done(row)
-            self.save(val)
+            self.stop_if(self.stop.agreed(), self.save(val))
         self.console.summary(self.state.history)
         return self.summary(images_seen / max(train_seconds, 1e-9))
 
     def train_epoch(self, epoch: int) -> tuple[float, set[str]]:
-        """One pass over this rank's shard; returns (mean train loss of all ranks, this rank's bad files)."""
-        self.loaders.train_sampler.set_epoch(epoch)
+        """One pass over this rank's shard (or what is left of it after a resume).
+
+        Returns (mean train loss of all ranks, this rank's bad files).
+        """
+        start = self.state.step_in_epoch
+        self.loaders.train_sampler.set_epoch(epoch, skip=start * self.accum * self.cfg.data.batch_size)
         self.model.train()
         batches = iter(self.loaders.train)
-        running = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # loss sum, steps
-        bad, window, every = set(), (0, time.perf_counter()), self.cfg.logging.every_steps
+        running = torch.tensor(self.state.running, dtype=torch.float64, device=self.ctx.device)
+        bad, window, every = set(), (start, time.perf_counter()), self.cfg.logging.every_steps
         lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:
-            for step in range(1, self.steps_per_epoch + 1):
+            update(start)
+            for step in range(start + 1, self.steps_per_epoch + 1):
                 micro = [next(batches) for _ in range(self.accum)]
                 bad.update(path for b in micro for path in skipped_files(b[2]))
                 lrs.append(self.optimizer.param_groups[0]["lr"])
                 running += torch.stack([self.train_step(micro).double(), running.new_ones(())])
-                self.state.step += 1
+                self.state.step, self.state.step_in_epoch = self.state.step + 1, step
                 if step % every == 0 or step == self.steps_per_epoch:
                     loss = self.check_finite(running)
                     rate = (step - window[0]) * self.global_batch / (time.perf_counter() - window[1])
@@ -187,8 +191,27 @@ class Trainer:
                     self.log({"split": "train", "epoch": epoch + 1, "step": self.state.step,
                               "loss": loss, "lr": lrs[-1], "lrs": lrs, "images_per_second": rate})
                     window, lrs = (step, time.perf_counter()), []
+                if step < self.steps_per_epoch:
+                    self.checkpoint_mid_epoch(running)
         dist.all_reduce(running)
         return running[0].item() / max(running[1].item(), 1), bad
+
+    def checkpoint_mid_epoch(self, running: torch.Tensor) -> None:
+        """Every `checkpoint.every_steps`, and when a signal asks every rank to stop (then exit)."""
+        signum = self.stop.agreed()
+        every = self.cfg.checkpoint.every_steps
+        if signum or (every and self.state.step % every == 0):
+            self.check_finite(running)  # never checkpoint diverged weights
+            self.state.running = running.tolist()
+            self.stop_if(signum, self.save())
+
+    def stop_if(self, signum: int, checkpoint: Path | None) -> None:
+        """End the run with 143/130 once the checkpoint of a signalled stop is written."""
+        if signum:
+            where = checkpoint or self.run_dir / "checkpoints"
+            raise DdpError(f"stopped by {signal.Signals(signum).name} after step {self.state.step}, "
+                           f"checkpoint {where}; the same command with --run-dir {self.run_dir} "
+                           "resumes it", StopRequest.exit_code(signum))
 
     def train_step(self, micro: list) -> torch.Tensor:
         """Forward/backward each micro-batch (gradients synced on the last), then step."""
@@ -199,7 +222,7 @@ class Trainer:
             y = labels.to(self.ctx.device, non_blocking=True)
             last = i == len(micro) - 1
             with nullcontext() if last else self.model.no_sync():
-                with autocast(self.ctx.device, self.cfg.train.precision):
+                with autocast(self.ctx.device, self.precision):
                     loss = self.loss_fn(self.forward(x), y) / len(micro)
                 self.scaler.scale(loss).backward()
             total += loss.detach().float()
@@ -228,14 +251,21 @@ class Trainer:
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
         return evaluate(module, self.loaders.val, self.ctx.device,
-                        self.cfg.train.precision, self.cfg.model.channels_last, bad)
+                        self.precision, self.cfg.model.channels_last, bad)
 
-    def save(self, val: dict[str, float]) -> None:
-        """Rank 0 writes last.pt (and best.pt when top-1 improves), atomically."""
-        best = val["top1"] > self.state.best_top1
-        self.state.best_top1 = max(self.state.best_top1, val["top1"])
-        if not self.ctx.is_main:
-            return
+    def save(self, val: dict[str, float] | None = None):
+        """A checkpoint of this step (after validation at epoch ends, `val` then set).
+
+        Every rank's RNG states are gathered; each node's first worker writes
+        (step file, last.pt, and best.pt when top-1 improves). Returns its path.
+        """
+        best = val is not None and val["top1"] > self.state.best_top1
+        if val is not None:
+            self.state.best_top1 = max(self.state.best_top1, val["top1"])
+        rngs: list[dict[str, Any] | None] = [None] * self.ctx.world_size
+        dist.all_gather_object(rngs, rng.capture())
+        if self.ctx.local_rank != 0:
+            return None
         state = {
             "model": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -244,22 +274,28 @@ class Trainer:
             "ema": self.ema.state_dict() if self.ema else None,
             "epoch": self.state.epoch,
             "step": self.state.step,
+            "step_in_epoch": self.state.step_in_epoch,
+            "running": self.state.running,
             "best_top1": self.state.best_top1,
             "history": self.state.history,
             "skipped_files": self.state.skipped_files,
-            "final": val,
+            "final": self.state.final,
             "final_ema": self.state.final_ema,
-            "rng": {"torch": torch.get_rng_state()},
+            "rng": rngs,
             **self.extra_state,
         }
-        folder = self.run_dir / "checkpoints"
-        save_checkpoint(state, folder / "last.pt")
-        if best:
-            save_checkpoint(state, folder / "best.pt")
+        info = {"epoch": self.state.epoch, "step": self.state.step,
+                "step_in_epoch": self.state.step_in_epoch, "top1": val["top1"] if val else None}
+        return self.store.save(state, info, best)
 
     def resume(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's epoch boundary (weights, optimiser, schedule, history)."""
-        self.model.module.load_state_dict(state["model"])
+        """Continue exactly where a checkpoint left off, mid-epoch included."""
+        try:
+            self.model.module.load_state_dict(state["model"])
+        except RuntimeError as e:
+            raise ConfigError(f"resume: the checkpoint holds another model or class count than "
+                              f"model.name = {self.cfg.model.name!r} ({str(e).splitlines()[0]}); "
+                              "use --resume never or a new --run-dir") from e
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -267,14 +303,18 @@ class Trainer:
             self.ema.load_state_dict(state["ema"])
         elif self.ema:  # the run had no EMA so far: average from here on
             self.ema.restart(self.model.module)
-        self.state = RunState(state["epoch"], state["step"], state["best_top1"], state["history"],
-                              state["final"], state.get("final_ema"), state.get("skipped_files", []))
+        self.state = RunState(state["epoch"], state["step"], state["step_in_epoch"], state["running"],
+                              state["best_top1"], state["history"], state["final"],
+                              state.get("final_ema"), state.get("skipped_files", []))
+        if len(state["rng"]) == self.ctx.world_size:  # another world size cannot replay the same draws
+            rng.restore(state["rng"][self.ctx.rank])
 
     def summary(self, images_per_second: float) -> dict[str, Any]:
         last = self.state.history[-1] if self.state.history else {}
         return {
             "epochs": self.cfg.train.epochs,
             "world_size": self.ctx.world_size,
+            "precision": self.precision,
             "final": self.state.final,
             "final_ema": self.state.final_ema,
             "best_top1": self.state.best_top1,

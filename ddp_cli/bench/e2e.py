@@ -1,0 +1,131 @@
+"""`ddp bench e2e`: wall time for the demo to reach a val top-1 target, ddp against a torchrun script.
+
+Both are whole commands timed from launch, start-up included, on the same
+data set with the same model, recipe (batch per worker, LR, momentum, weight
+decay, warmup + cosine, crop scale), epochs, worker count and loader
+processes:
+
+- ddp: `ddp train CONFIG` with the config as it ships (its precision and
+  memory format included), time to target read from `metrics.jsonl`;
+- baseline: `e2e_baseline.py` under `torch.distributed.run`: PIL ImageFolder,
+  torchvision transforms, DistributedSampler, the DDP tutorial's loop in fp32.
+
+The two alternate over `rounds` so background load falls on both; each round
+gets a fresh run dir. A run that misses the target counts as its full time,
+flagged in its row (`reached`); the ratio is of the medians, ddp / baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+from ddp_cli.bench.data import machine
+from ddp_cli.config import RunConfig, load_config
+from ddp_cli.distributed.launch import LaunchOptions, resolve_nproc
+from ddp_cli.errors import DataError
+from ddp_cli.registry import find_registry, load_registry
+
+TIMEOUT_S = 1800
+
+
+def run_timed(command: list[str], timeout: float = TIMEOUT_S) -> tuple[float, str]:
+    """(start time, stdout) of a command that must succeed; stopped (SIGTERM, then SIGKILL) on timeout."""
+    started = time.time()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # launchers pass it on to their workers' own sessions
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        raise DataError(f"bench e2e: {command[2]} ran past {timeout:.0f} s") from None
+    if proc.returncode:
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        raise DataError(f"bench e2e: {' '.join(command[:4])} exited {proc.returncode}: {last}")
+    return started, out
+
+
+def outcome(name: str, started: float, curve: list[dict], target: float) -> dict:
+    """Time to the first epoch at `target` (or the whole run if none), from per-epoch records."""
+    reached = next((r for r in curve if r["top1"] >= target), None)
+    end = (reached or curve[-1])["time"]
+    return {"pipeline": name, "to_target_s": end - started, "reached": reached is not None,
+            "at_epoch": reached["epoch"] if reached else None,
+            "total_s": curve[-1]["time"] - started, "final_top1": curve[-1]["top1"]}
+
+
+def run_ddp(config: Path, registry: Path, cfg: RunConfig, run_dir: Path, target: float) -> dict:
+    """`ddp train` as shipped; its curve from metrics.jsonl, its resolved precision from its JSON."""
+    started, out = run_timed([sys.executable, "-m", "ddp_cli", "train", str(config), "--registry",
+                            str(registry), "--run-dir", str(run_dir), "--resume", "never",
+                            "--set", f"train.epochs={cfg.train.epochs}", "--json", "--quiet"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    curve = [r for r in records if r.get("split") == "val"]
+    return {**outcome("ddp", started, curve, target),
+            "precision": json.loads(out.strip().splitlines()[-1])["precision"]}
+
+
+def run_baseline(root: str, cfg: RunConfig, workers: int, target: float) -> dict:
+    """The torchrun script with ddp's recipe translated into its arguments."""
+    data, optim = cfg.data, cfg.optim
+    lr = optim.effective_lr(workers * data.batch_size * cfg.train.grad_accum)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={workers}", "-m", "ddp_cli.bench.e2e_baseline", "--root", root,
+               "--model", cfg.model.name, "--epochs", str(cfg.train.epochs),
+               "--batch-size", str(data.batch_size), "--workers", str(data.workers),
+               "--image-size", str(data.image_size), "--val-resize", str(data.val_resize),
+               "--min-crop-scale", str(data.min_crop_scale), "--lr", str(lr),
+               "--momentum", str(optim.momentum), "--weight-decay", str(optim.weight_decay),
+               "--warmup-epochs", str(cfg.schedule.warmup_epochs), "--seed", str(cfg.seed),
+               *(["--hflip"] if data.hflip else [])]
+    started, out = run_timed(command)
+    curve = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {**outcome("baseline", started, curve, target), "precision": "fp32"}
+
+
+def bench_e2e(config: Path, registry: str | None, target: float, rounds: int, epochs: int | None) -> dict:
+    overrides = [f"train.epochs={epochs}"] if epochs else []
+    cfg = load_config(config, overrides)
+    registry_path = find_registry(registry)
+    entry = load_registry(registry_path).get(cfg.data.dataset)
+    if entry.storage.driver != "FileSystem":
+        raise DataError(f"bench e2e: data set {entry.name!r} is on {entry.storage.driver}; the baseline "
+                        "script reads local files, use a local data set")
+    _, root = entry.open()
+    workers = resolve_nproc(LaunchOptions(), cfg.distributed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-e2e-") as tmp:
+        for r in range(rounds):
+            for name in ("ddp", "baseline") if r % 2 == 0 else ("baseline", "ddp"):
+                row = (run_ddp(config, registry_path, cfg, Path(tmp) / f"ddp-{r}", target)
+                       if name == "ddp" else run_baseline(root, cfg, workers, target))
+                rows.append({"round": r + 1, **row})
+    medians = {name: median(row["to_target_s"] for row in rows if row["pipeline"] == name)
+               for name in ("ddp", "baseline")}
+    return {
+        "bench": "e2e",
+        "config": str(config),
+        "dataset": entry.name,
+        "target_top1": target,
+        "epochs": cfg.train.epochs,
+        "world_size": workers,
+        "channels_last": cfg.model.channels_last,
+        "rounds": rounds,
+        "machine": machine(),
+        "rows": rows,
+        "median_to_target_s": medians,
+        "all_reached": all(row["reached"] for row in rows),
+        "ratio": medians["ddp"] / medians["baseline"],
+    }

@@ -1,0 +1,245 @@
+"""`ddp bench step`: training images/s of ddp's worker against the PyTorch DDP tutorial's loop.
+
+Both run in the same gloo processes on the same synthetic images (random
+pixels, random labels: throughput does not depend on what is learnt), model,
+per-worker batch, world size and threads:
+
+- ddp: the Trainer's own `train_step` on its DDP model (bucket and
+  gradient-view settings, parameter groups, schedule), fed uint8 NHWC batches
+  normalised in the worker (`to_model_input`, as on a GPU), with the fast
+  settings where the CPU has them (bf16 autocast on AVX-512 BF16 / AMX or CUDA,
+  channels_last);
+- baseline: `DistributedDataParallel(model)` with its defaults, SGD, a
+  DataLoader of normalised float NCHW tensors, and
+  `zero_grad(); loss_fn(ddp(x), y).backward(); step()` (the tutorial's loop).
+
+Each loop also runs at the other's precision and memory format, so the rows
+show both the gain from the settings and that ddp is not slower at equal ones.
+The variants alternate over `rounds` (fresh model each time) so background load
+hits all alike. A breakdown times the phases of ddp's step with the default
+settings (data wait, forward, backward, optimizer), once with DDP's all-reduce
+and once under `no_sync`: the difference in backward is the all-reduce time
+that backward did not hide.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from ddp_cli.bench.data import machine
+from ddp_cli.bench.procs import run_workers
+from ddp_cli.config import ModelConfig, RunConfig, apply_override
+from ddp_cli.data.loaders import Loaders
+from ddp_cli.data.transforms import MEAN, STD, to_model_input
+from ddp_cli.distributed.setup import DistContext
+from ddp_cli.models import build_model, count_parameters
+from ddp_cli.observe.console import RunConsole
+from ddp_cli.train.precision import autocast, resolve_precision
+from ddp_cli.train.trainer import Trainer
+
+CPU = torch.device("cpu")
+STORED_IMAGES = 64  # distinct synthetic images; items cycle through them
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    model: str = "resnet_tiny"
+    batch_size: int = 32
+    image_size: int = 32
+    classes: int = 10
+    steps: int = 20
+    warmup: int = 3
+    rounds: int = 2
+    loader_workers: int = 0
+
+
+class Synthetic(Dataset):
+    """`items` images cycling through STORED_IMAGES random ones, as ddp or the tutorial stores them."""
+
+    def __init__(self, spec: StepSpec, items: int, as_float: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        side = spec.image_size
+        self.images = torch.randint(0, 256, (STORED_IMAGES, side, side, 3), dtype=torch.uint8, generator=g)
+        self.labels = torch.randint(0, spec.classes, (STORED_IMAGES,), generator=g).tolist()
+        if as_float:  # ToTensor + Normalize, done once: the baseline's loader still collates floats
+            mean, std = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
+            self.images = (self.images.permute(0, 3, 1, 2).float() / 255 - mean) / std
+        self.items, self.as_float = items, as_float
+
+    def __len__(self) -> int:
+        return self.items
+
+    def __getitem__(self, index: int):
+        i = index % STORED_IMAGES
+        if self.as_float:
+            return self.images[i], self.labels[i]
+        return self.images[i], self.labels[i], "", ""  # ImageDataset's (image, label, skipped, error)
+
+
+def loader(spec: StepSpec, as_float: bool) -> DataLoader:
+    steps = spec.warmup + spec.steps
+    return DataLoader(Synthetic(spec, steps * spec.batch_size, as_float), batch_size=spec.batch_size,
+                      num_workers=spec.loader_workers, drop_last=True,
+                      prefetch_factor=2 if spec.loader_workers else None,
+                      persistent_workers=False)
+
+
+def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool, run_dir: Path,
+                overrides: tuple[str, ...] = ()) -> Trainer:
+    """ddp's Trainer as a worker builds it, over the synthetic loader; `overrides` as `--set` takes them."""
+    raw = {
+        "data": {"batch_size": spec.batch_size, "image_size": spec.image_size,
+                 "workers": spec.loader_workers},
+        "model": {"name": spec.model, "channels_last": channels_last},
+        "train": {"precision": precision, "epochs": 1},
+        "logging": {"every_steps": 10**6},
+    }
+    for item in overrides:
+        apply_override(raw, item)
+    cfg = RunConfig.model_validate(raw)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx = DistContext(rank, world, rank, world, CPU, "gloo")
+    torch.manual_seed(0)
+    model = build_model(cfg.model, spec.classes, spec.image_size)
+    return Trainer(cfg, ctx, Loaders(loader(spec, as_float=False), None, None), model, run_dir, {},
+                   RunConsole(False))
+
+
+def time_ddp(spec: StepSpec, precision: str, channels_last: bool, overrides: tuple[str, ...] = ()) -> float:
+    """Seconds for `spec.steps` of the Trainer's train_step, after the warm-up."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = ddp_trainer(spec, precision, channels_last, Path(run_dir), overrides)
+        trainer.model.train()
+        batches = iter(trainer.loaders.train)
+        try:
+            return _timed(spec, lambda: trainer.train_step([next(batches)]))
+        finally:
+            trainer.close()
+
+
+def time_tutorial(spec: StepSpec, precision: str, channels_last: bool) -> float:
+    """Seconds for `spec.steps` of the DDP tutorial's loop, after the warm-up."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name=spec.model), spec.classes, spec.image_size)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    ddp = DistributedDataParallel(model.to(memory_format=memory_format))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    loss_fn = nn.CrossEntropyLoss()
+    batches = iter(loader(spec, as_float=True))
+
+    def step() -> None:
+        x, y = next(batches)
+        x = x.contiguous(memory_format=memory_format)
+        optimizer.zero_grad()
+        with autocast(CPU, precision):
+            loss = loss_fn(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+
+    return _timed(spec, step)
+
+
+def _timed(spec: StepSpec, step) -> float:
+    for _ in range(spec.warmup):
+        step()
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(spec.steps):
+        step()
+    dist.barrier()
+    return time.perf_counter() - started
+
+
+def phase_seconds(spec: StepSpec, precision: str, channels_last: bool, sync: bool) -> dict[str, float]:
+    """Mean seconds per step in each phase of ddp's step; `sync=False` runs backward under no_sync."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = ddp_trainer(spec, precision, channels_last, Path(run_dir))
+        model, batches = trainer.model, iter(trainer.loaders.train)
+        model.train()
+        totals = dict.fromkeys(PHASES, 0.0)
+        for i in range(spec.warmup + spec.steps):
+            marks = [time.perf_counter()]
+            images, labels, _, _ = next(batches)
+            marks.append(time.perf_counter())
+            with nullcontext() if sync else model.no_sync():
+                x = to_model_input(images, CPU, channels_last)
+                with autocast(CPU, precision):
+                    loss = trainer.loss_fn(trainer.forward(x), labels)
+                marks.append(time.perf_counter())
+                loss.backward()
+            marks.append(time.perf_counter())
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.scheduler.step()
+            marks.append(time.perf_counter())
+            if i >= spec.warmup:
+                for phase, start, end in zip(PHASES, marks[:-1], marks[1:], strict=True):
+                    totals[phase] += end - start
+        trainer.close()
+    return {phase: seconds / spec.steps for phase, seconds in totals.items()}
+
+
+def breakdown(spec: StepSpec, precision: str, channels_last: bool) -> dict[str, float]:
+    """Milliseconds per step: data, forward, backward compute, exposed all-reduce, optimizer, total."""
+    synced = phase_seconds(spec, precision, channels_last, sync=True)
+    local = phase_seconds(spec, precision, channels_last, sync=False)
+    out = {
+        "data_ms": synced["data"] * 1e3,
+        "forward_ms": synced["forward"] * 1e3,
+        "backward_ms": local["backward"] * 1e3,
+        "exposed_allreduce_ms": max(0.0, synced["backward"] - local["backward"]) * 1e3,
+        "optimizer_ms": synced["optimizer"] * 1e3,
+    }
+    out["step_ms"] = sum(synced.values()) * 1e3
+    return out
+
+
+def _step_worker(rank: int, world_size: int, spec: StepSpec, fast: str) -> dict | None:
+    variants = [("ddp", fast, True), ("ddp", "fp32", False), ("tutorial", "fp32", False),
+                ("tutorial", fast, True)]
+    seconds = {v: 0.0 for v in variants}
+    for r in range(spec.rounds):
+        for loop, precision, channels_last in variants[r % len(variants):] + variants[:r % len(variants)]:
+            timer = time_ddp if loop == "ddp" else time_tutorial
+            seconds[(loop, precision, channels_last)] += timer(spec, precision, channels_last)
+    parts = breakdown(spec, fast, True)
+    if rank:
+        return None
+    images = spec.rounds * spec.steps * spec.batch_size * world_size
+    rows = [{"loop": loop, "precision": precision, "channels_last": channels_last, "images": images,
+             "seconds": s, "images_per_second": images / s}
+            for (loop, precision, channels_last), s in seconds.items()]
+    return {"rows": rows, "breakdown": parts}
+
+
+def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
+    """Run the variants in `world_size` gloo workers of `threads` threads each; the shared bench dict."""
+    fast = resolve_precision("auto", CPU)
+    out = run_workers(_step_worker, world_size, threads, spec, fast)
+    rate = {(r["loop"], r["precision"], r["channels_last"]): r["images_per_second"] for r in out["rows"]}
+    params = count_parameters(build_model(ModelConfig(name=spec.model), spec.classes, spec.image_size))
+    return {
+        "bench": "step",
+        **asdict(spec),
+        "parameters": params,
+        "world_size": world_size,
+        "threads_per_worker": threads,
+        "fast_precision": fast,
+        "machine": machine(),
+        "rows": out["rows"],
+        "breakdown": out["breakdown"],
+        "ratio_defaults_vs_baseline": rate[("ddp", fast, True)] / rate[("tutorial", "fp32", False)],
+        "ratio_equal_fp32": rate[("ddp", "fp32", False)] / rate[("tutorial", "fp32", False)],
+        "ratio_equal_fast": rate[("ddp", fast, True)] / rate[("tutorial", fast, True)],
+    }

@@ -1,0 +1,44 @@
+"""Autocast precision: what each `train.precision` means on a device, "auto" included.
+
+bf16 is only fast where the hardware computes it (CUDA from Ampere, CPUs with
+AVX-512 BF16 or AMX: ~2x fp32 there, BENCHMARKS.md); elsewhere it is emulated
+and slower than fp32. So "auto" picks bf16 only where it is native.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+
+from ddp_cli.errors import ConfigError
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bf16 in hardware (CUDA: capability 8.0+; CPU: AVX-512 BF16 / AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: do not guess
+        return False
+    return any(flag in flags for flag in CPU_BF16_FLAGS)
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """The precision a worker on `device` trains in: "auto" made concrete, fp16 checked."""
+    if requested == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    if requested == "fp16" and device.type != "cuda":
+        raise ConfigError('train.precision: fp16 needs CUDA (GradScaler); use "bf16" or "auto" on CPU')
+    return requested
+
+
+def autocast(device: torch.device, precision: str) -> AbstractContextManager:
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST[precision])

@@ -1,0 +1,132 @@
+"""Nothing lost when something breaks: signals, killed workers, torn checkpoints, hostile files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LiveRun, last_json, run_ddp
+
+from ddp_cli.train.checkpoint import CheckpointStore
+
+EXACT = ["--set", "data.workers=1", "--set", "logging.every_steps=1", "--set", "deterministic=true"]
+
+
+def train(registry, run_dir, *extra):
+    return run_ddp("train", "configs/demo.toml", "--registry", str(registry), "--run-dir", str(run_dir),
+                   "--json", *EXACT, *extra)
+
+
+def weights(run_dir):
+    return torch.load(run_dir / "checkpoints/last.pt", weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(demo_registry, tmp_path_factory):
+    """The reference: two epochs, never disturbed."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    return last_json(train(demo_registry, run_dir, "--set", "train.epochs=2")), run_dir
+
+
+def test_sigterm_checkpoints_then_resume_ends_bit_identical(demo_registry, tmp_path, uninterrupted):
+    reference, reference_dir = uninterrupted
+    run_dir = tmp_path / "run"
+    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                  str(run_dir), *EXACT, "--set", "train.epochs=2")
+    run.wait_for("epoch 1/2 step 6/")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == 143, run.stderr
+    assert "stopped by SIGTERM" in run.stderr
+    stopped = CheckpointStore(run_dir / "checkpoints", 1).latest_valid()
+    assert stopped is not None and "step-" in stopped.name
+    step = torch.load(stopped, weights_only=True)["step_in_epoch"]
+    assert 6 <= step < 22  # mid-epoch
+    resumed = last_json(train(demo_registry, run_dir, "--set", "train.epochs=2"))
+    assert resumed["final"] == reference["final"]
+    a, b = weights(run_dir), weights(reference_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
+
+
+def test_a_killed_worker_is_restarted_and_the_run_finishes(demo_registry, tmp_path, uninterrupted):
+    reference, _ = uninterrupted
+    run_dir = tmp_path / "run"
+    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                  str(run_dir), *EXACT, "--set", "train.epochs=2",
+                  "--set", "checkpoint.every_steps=4", "--max-restarts", "3")
+    run.wait_for("epoch 1/2 step 10/")
+    os.kill(run.workers()[1], signal.SIGKILL)
+    assert run.wait(timeout=200) == 0, run.stderr
+    out = json.loads((run_dir / "result.json").read_text())
+    assert out["restarts"] >= 1
+    assert out["final"]["top1"] >= reference["final"]["top1"] - 0.01
+    assert "resumed from" in run.stderr
+
+
+def test_workers_do_not_outlive_a_launcher_killed_with_sigkill(demo_registry, tmp_path):
+    """SIGKILL cannot be caught, so the workers (in sessions of their own) must notice by themselves."""
+    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                  str(tmp_path / "run"), "--set", "data.workers=0", "--set", "logging.every_steps=1")
+    run.wait_for("step 2/")
+    workers = run.workers()
+    assert len(workers) == 2
+    run.proc.kill()
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in workers), "orphaned workers"
+    run.wait(timeout=10)
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_torn_checkpoint_is_skipped_for_the_previous_one(demo_registry, tmp_path):
+    run_dir = tmp_path / "run"
+    short = ["--set", "train.max_steps_per_epoch=12", "--set", "checkpoint.every_steps=5",
+             "--set", "data.workers=0"]
+    last_json(train(demo_registry, run_dir, "--set", "train.epochs=1", *short))
+    newest = CheckpointStore(run_dir / "checkpoints", 1).steps()[-1]
+    with open(newest, "r+b") as f:  # a kill mid-write (also tears last.pt: the same file, linked)
+        f.truncate(newest.stat().st_size // 2)
+    result = train(demo_registry, run_dir, "--set", "train.epochs=2", *short)
+    out = last_json(result)  # steps 5, 10, 12 (epoch end, torn): resumes from 10
+    assert "skipping checkpoint" in result.stderr and "resumed from" in result.stderr
+    assert "step-000000010.pt" in result.stderr
+    assert out["epochs"] == 2 and out["final"]["images"] == 359
+
+
+def test_a_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(pickle.dumps({"format": 1, "model": Payload()}))
+    for command in (["validate", "--checkpoint", str(evil)],
+                    ["train", "configs/demo.toml", "--resume", str(evil), "--dry-run"]):
+        result = run_ddp(*command, timeout=60)
+        assert result.returncode in (0, 3), result.stderr
+        assert not marker.exists()
+    assert run_ddp("validate", "--checkpoint", str(evil), timeout=60).returncode == 3
+
+
+def test_resume_with_another_model_is_a_clear_error(demo_registry, tmp_path, uninterrupted):
+    _, reference_dir = uninterrupted
+    result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                     str(tmp_path / "run"), "--resume", str(reference_dir / "checkpoints/last.pt"),
+                     "--set", "model.name=resnet18", "--set", "data.workers=0")
+    assert result.returncode == 2, result.stderr
+    assert "another model or class count" in result.stderr

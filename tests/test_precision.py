@@ -1,0 +1,49 @@
+"""train.precision: "auto" is bf16 only where the hardware computes it; fp16 only on CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_cli.errors import ConfigError
+from ddp_cli.train import precision
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ("fpu sse avx2 avx512f avx512_bf16 amx_tile", "bf16"),
+    ("fpu sse avx2 amx_bf16", "bf16"),
+    ("fpu sse avx2 avx512f avx512_vnni", "fp32"),  # AVX-512 without BF16: bf16 would be emulated
+])
+def test_auto_is_bf16_only_where_the_cpu_has_it(monkeypatch, flags, expected):
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: f"flags\t\t: {flags}\n"
+                        if str(self) == "/proc/cpuinfo" else real(self, *a, **k))
+    assert precision.resolve_precision("auto", CPU) == expected
+
+
+def test_explicit_settings_are_kept_and_fp16_needs_cuda():
+    assert precision.resolve_precision("fp32", CPU) == "fp32"
+    assert precision.resolve_precision("bf16", CPU) == "bf16"
+    with pytest.raises(ConfigError, match="train.precision: fp16 needs CUDA"):
+        precision.resolve_precision("fp16", CPU)
+    assert precision.resolve_precision("fp16", torch.device("cuda", 0)) == "fp16"
+
+
+def test_auto_on_cuda_asks_for_native_bf16_not_emulation(monkeypatch):
+    asked = {}
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: asked.setdefault("emulation", including_emulation))
+    assert precision.resolve_precision("auto", torch.device("cuda", 0)) == "fp32"
+    assert asked == {"emulation": False}
+
+
+def test_autocast_is_a_no_op_in_fp32_and_lowers_matmuls_in_bf16():
+    x = torch.randn(4, 4)
+    with precision.autocast(CPU, "fp32"):
+        assert (x @ x).dtype == torch.float32
+    with precision.autocast(CPU, "bf16"):
+        assert (x @ x).dtype == torch.bfloat16
