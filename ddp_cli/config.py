@@ -312,7 +312,8 @@ def describe_validation_error(err: ValidationError, model: type[BaseModel]) -> s
         hint = did_you_mean(loc[-1], list(owner.model_fields)) if owner else ""
         message = f"{key}: unknown key{hint}"
     else:
-        message = f"{key}: {first['msg']}" if key else first["msg"]
+        text = first["msg"].removeprefix("Value error, ")  # our validators' own words, as written
+        message = f"{key}: {text}" if key else text
     more = len(err.errors()) - 1
     return message + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 

@@ -15,9 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torchvision
 from torch import nn
-from torchvision.models.resnet import BasicBlock
 
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
@@ -25,6 +23,28 @@ from ddp_cli.train.checkpoint import is_checkpoint, load_plain
 
 TINY = "resnet_tiny"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrap names this way
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock, with its parameter names, without importing torchvision.
+
+    torchvision costs 1.2 s to import, in the launcher and in every worker;
+    the demo's model does not need it (torchvision models import it when built).
+    """
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
 
 
 class TinyResNet(nn.Module):
@@ -50,6 +70,8 @@ class TinyResNet(nn.Module):
 
 
 def known_models() -> list[str]:
+    import torchvision  # here, not at the top: see BasicBlock
+
     return sorted([TINY, *torchvision.models.list_models(module=torchvision.models)])
 
 
@@ -75,6 +97,8 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int = 224) -> nn
         return TinyResNet(num_classes)
     if cfg.name not in known_models():
         raise ConfigError(f"model.name: unknown model {cfg.name!r}{did_you_mean(cfg.name, known_models())}")
+    import torchvision
+
     try:
         return torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes,
                                             **builder_kwargs(cfg.name, image_size))
@@ -120,7 +144,7 @@ def check_model(cfg: RunConfig, num_classes: int) -> nn.Module:
         raise ConfigError(f"model.name: {cfg.model.name} takes only data.image_size = "
                           f"{cfg.data.image_size} inputs, but the run also uses {sizes}; unset "
                           "data.min_image_size and data.val_image_size")
-    for size in sizes:
+    for size in sizes if cfg.model.name != TINY else ():  # convs and an adaptive pool: any size
         try:
             with torch.no_grad():
                 model(torch.empty(2, 3, size, size, device="meta"))
