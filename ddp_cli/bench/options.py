@@ -11,13 +11,8 @@ not timed). Ratio > 1: the setting helps.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
-from ddp_cli.bench.data import machine
 from ddp_cli.bench.procs import run_workers
-from ddp_cli.bench.step import CPU, StepSpec, time_ddp
-from ddp_cli.config import ModelConfig
-from ddp_cli.models import build_model, count_parameters
+from ddp_cli.bench.step import CPU, StepSpec, step_header, time_ddp
 from ddp_cli.train.precision import resolve_precision
 
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -50,15 +45,9 @@ def bench_options(spec: StepSpec, world_size: int = 2, threads: int = 1,
     rows = [{"variant": name, "set": " ".join(VARIANTS[name]) or "(ddp's defaults)", "images": images,
              "seconds": seconds[name], "images_per_second": rate[name],
              "vs_defaults": rate[name] / base if base else None} for name in names]
-    params = count_parameters(build_model(ModelConfig(name=spec.model), spec.classes, spec.image_size))
     return {
-        "bench": "options",
-        **asdict(spec),
-        "parameters": params,
-        "world_size": world_size,
-        "threads_per_worker": threads,
+        **step_header("options", spec, world_size, threads),
         "precision": precision,
         "channels_last": True,
-        "machine": machine(),
         "rows": rows,
     }

@@ -10,11 +10,8 @@ all-reduce that backward did not hide.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
-from ddp_cli.bench.data import machine
 from ddp_cli.bench.procs import run_workers
-from ddp_cli.bench.step import CPU, StepSpec, breakdown, time_ddp
+from ddp_cli.bench.step import CPU, StepSpec, breakdown, step_header, time_ddp
 from ddp_cli.train.precision import resolve_precision
 
 
@@ -48,12 +45,9 @@ def bench_scaling(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict
                      "step_ms": seconds[world] / (spec.rounds * spec.steps) * 1e3})
     one, many = rows[0]["images_per_second"], rows[1]["images_per_second"]
     return {
-        "bench": "scaling",
-        **asdict(spec),
-        "threads_per_worker": threads,
+        **step_header("scaling", spec, world_size, threads),
         "precision": precision,
         "channels_last": True,
-        "machine": machine(),
         "rows": rows,
         "efficiency": many / (world_size * one),
         "breakdown": parts,

@@ -223,20 +223,21 @@ def _step_worker(rank: int, world_size: int, spec: StepSpec, fast: str) -> dict 
     return {"rows": rows, "breakdown": parts}
 
 
+def step_header(bench: str, spec: StepSpec, world_size: int, threads: int) -> dict:
+    """The set-up keys every step-based bench reports: spec, model size, world, threads, machine."""
+    params = count_parameters(build_model(ModelConfig(name=spec.model), spec.classes, spec.image_size))
+    return {"bench": bench, **asdict(spec), "parameters": params, "world_size": world_size,
+            "threads_per_worker": threads, "machine": machine()}
+
+
 def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
     """Run the variants in `world_size` gloo workers of `threads` threads each; the shared bench dict."""
     fast = resolve_precision("auto", CPU)
     out = run_workers(_step_worker, world_size, threads, spec, fast)
     rate = {(r["loop"], r["precision"], r["channels_last"]): r["images_per_second"] for r in out["rows"]}
-    params = count_parameters(build_model(ModelConfig(name=spec.model), spec.classes, spec.image_size))
     return {
-        "bench": "step",
-        **asdict(spec),
-        "parameters": params,
-        "world_size": world_size,
-        "threads_per_worker": threads,
+        **step_header("step", spec, world_size, threads),
         "fast_precision": fast,
-        "machine": machine(),
         "rows": out["rows"],
         "breakdown": out["breakdown"],
         "ratio_defaults_vs_baseline": rate[("ddp", fast, True)] / rate[("tutorial", "fp32", False)],
