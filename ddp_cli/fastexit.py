@@ -14,7 +14,8 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 
@@ -25,6 +26,19 @@ def exit_now(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+@contextlib.contextmanager
+def exit_if_stuck(code: int, seconds: float) -> Iterator[None]:
+    """Exit with `code` if the block has not finished within `seconds` (work already done and saved
+    must not be lost to a clean-up that blocks, e.g. a collective library waiting for a peer that left)."""
+    timer = threading.Timer(seconds, exit_now, (code,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def run_and_exit(main: Callable[[], object]) -> NoReturn:

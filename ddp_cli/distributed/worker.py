@@ -25,7 +25,7 @@ from ddp_cli.data.layouts import IndexTable
 from ddp_cli.data.loaders import build_loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything, setup, teardown
 from ddp_cli.errors import INTERNAL, SIGINT, ConfigError, DdpError
-from ddp_cli.fastexit import exit_now
+from ddp_cli.fastexit import exit_if_stuck, exit_now
 from ddp_cli.jobs import Job, read_job, record_error, write_result
 from ddp_cli.models import build_model, load_weights
 from ddp_cli.observe.console import RunConsole
@@ -133,8 +133,19 @@ def validate_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetE
 JOBS = {"train": train_job, "validate": validate_job}
 
 
+TEARDOWN_S = 30  # destroying the process group may wait on peers; the results are saved by then
+
+
 def run_job(folder: Path) -> int:
-    """Run the job in this process (already inside a torchrun-style environment)."""
+    """Run the job in this process (already inside a torchrun-style environment); its exit code."""
+    code = job_outcome(folder)
+    with exit_if_stuck(code, TEARDOWN_S):
+        teardown()
+    return code
+
+
+def job_outcome(folder: Path) -> int:
+    """Run the job; its exit code, any failure recorded for the launcher."""
     rank = int(os.environ.get("RANK", 0))
     try:
         cfg, entry, index, job = read_job(folder)
@@ -156,8 +167,6 @@ def run_job(folder: Path) -> int:
             traceback.print_exc()
         return fail(folder, rank, INTERNAL, f"internal error on rank {rank} (a bug; DDP_DEBUG=1 "
                     f"shows the traceback): {type(e).__name__}: {e}", original=True)
-    finally:
-        teardown()
 
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote worker",
