@@ -183,6 +183,14 @@ class LiveRun:
     def stderr(self) -> str:
         return "".join(self.lines)
 
+    @classmethod
+    def demo_at_step_2(cls, registry: Path, run_dir: Path) -> LiveRun:
+        """The demo with in-process loading, logging every step, once its second step is done."""
+        run = cls("train", "configs/demo.toml", "--registry", str(registry), "--run-dir", str(run_dir),
+                  "--set", "data.workers=0", "--set", "logging.every_steps=1")
+        run.wait_for("step 2/")
+        return run
+
     def kill(self) -> None:
         """Kill the launcher's process group and its workers (the agent gives them sessions of their own)."""
         workers = self.workers()

@@ -70,9 +70,7 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes(demo_registry, tmp_pa
 
 def test_workers_do_not_outlive_a_launcher_killed_with_sigkill(demo_registry, tmp_path):
     """SIGKILL cannot be caught, so the workers (in sessions of their own) must notice by themselves."""
-    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                  str(tmp_path / "run"), "--set", "data.workers=0", "--set", "logging.every_steps=1")
-    run.wait_for("step 2/")
+    run = LiveRun.demo_at_step_2(demo_registry, tmp_path / "run")
     workers = run.workers()
     assert len(workers) == 2
     run.proc.kill()

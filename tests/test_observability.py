@@ -158,17 +158,13 @@ def test_diverged_training_exits_4(demo_registry, tmp_path):
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signals_to_the_launcher_exit_143_and_130(demo_registry, tmp_path, sig, code):
-    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                  str(tmp_path / "run"), "--set", "data.workers=0", "--set", "logging.every_steps=1")
-    run.wait_for("step 2/")
+    run = LiveRun.demo_at_step_2(demo_registry, tmp_path / "run")
     run.proc.send_signal(sig)
     assert run.wait(timeout=90) == code, run.stderr
 
 
 def test_a_worker_killed_by_a_signal_exits_1_naming_it(demo_registry, tmp_path):
-    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                  str(tmp_path / "run"), "--set", "data.workers=0", "--set", "logging.every_steps=1")
-    run.wait_for("step 2/")
+    run = LiveRun.demo_at_step_2(demo_registry, tmp_path / "run")
     workers = run.workers()
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)
