@@ -127,7 +127,7 @@ def train(
     * `ddp train cfg.toml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --rdzv-id job1`
     """
     from ddp_cli import commands
-    from ddp_cli.distributed.launch import LaunchOptions, with_environment
+    from ddp_cli.run.launch import LaunchOptions, with_environment
 
     opts = with_environment(LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id,
                                           max_restarts))
@@ -161,7 +161,7 @@ def validate(
     * `ddp validate --checkpoint best.pt --dataset imagenet_s3 --registry data.toml`
     """
     from ddp_cli import commands
-    from ddp_cli.distributed.launch import LaunchOptions
+    from ddp_cli.run.launch import LaunchOptions
 
     result = commands.validate(checkpoint, config, dataset, registry, LaunchOptions(nproc_per_node),
                                batch_size, as_json)

@@ -13,15 +13,15 @@ from torch import nn
 
 from ddp_cli.config import RunConfig, config_from_dict, load_config
 from ddp_cli.data.layouts import IndexTable, build_index
-from ddp_cli.distributed.launch import LaunchOptions, external_launcher, launch, resolve_nproc
 from ddp_cli.distributed.setup import setup
-from ddp_cli.distributed.worker import run_job
 from ddp_cli.errors import ConfigError, WorkerFailed
-from ddp_cli.jobs import Job, prepare_job, read_result
 from ddp_cli.models import check_model
+from ddp_cli.plan import describe
 from ddp_cli.registry import DatasetEntry, load_registry
+from ddp_cli.run.jobs import Job, prepare_job, read_result
+from ddp_cli.run.launch import LaunchOptions, external_launcher, launch, resolve_nproc
+from ddp_cli.run.worker import run_job
 from ddp_cli.train.checkpoint import load_checkpoint
-from ddp_cli.train.plan import describe
 
 
 def resolve_dataset(
@@ -153,4 +153,7 @@ def datasets_check(name: str, registry: str | None, split: str, workers: int | N
     from ddp_cli.data.check import check_dataset
 
     splits = ("train", "val") if split == "all" else (split,)
-    return check_dataset(load_registry(registry).get(name), splits, workers, progress)
+    entry = load_registry(registry).get(name)
+    fs, root = entry.open()
+    return {"name": entry.name, "root": entry.storage.path,
+            **check_dataset(fs, root, entry.layout, splits, workers, progress)}

@@ -19,7 +19,7 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
-from ddp_cli.train.checkpoint import is_checkpoint, load_plain
+from ddp_cli.io import is_checkpoint, load_plain
 
 TINY = "resnet_tiny"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrap names this way

@@ -1,79 +1,20 @@
-"""Shared test helpers: tiny data sets made on the spot, a gloo process harness, the CLI."""
+"""Shared test helpers: tiny data sets made on the spot, the CLI as a subprocess (the gloo process
+harness is ddp_cli.run.loopback, shared with the benches)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 from synthetic import write_registry
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(fn, rank: int, world_size: int, port: int, out: str, args: tuple) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        torch.save({"ok": result}, f"{out}/rank{rank}.pt")
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, f"{out}/rank{rank}.pt")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_distributed(fn, world_size: int, tmp_path: Path, *args, timeout: float = 120) -> list:
-    """Run `fn(rank, world_size, *args)` in `world_size` gloo processes; return each result.
-
-    `fn` must be a module-level function (spawned processes import it). Every
-    process is joined within `timeout` seconds or killed, so a hang fails the test.
-    """
-    out = tmp_path / f"dist-{world_size}"
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, str(out), args))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    results = []
-    for r in range(world_size):
-        path = out / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} produced no result (timeout or crash)"
-        record = torch.load(path, weights_only=False)
-        assert "error" not in record, record.get("error")
-        results.append(record["ok"])
-    return results
 
 
 def run_ddp(*args: str, cwd: Path | None = None, env: dict | None = None,
@@ -164,7 +105,7 @@ class LiveRun:
             except OSError:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.proc.pid and "ddp_cli.distributed.worker" in cmdline:
+            if ppid == self.proc.pid and "ddp_cli.run.worker" in cmdline:
                 pids.append(int(entry.name))
         return sorted(pids)
 

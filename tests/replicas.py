@@ -13,9 +13,9 @@ import torch
 from ddp_cli.config import RunConfig, config_from_dict
 from ddp_cli.data.loaders import Loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything
-from ddp_cli.distributed.worker import assert_identical_across_ranks
 from ddp_cli.models import build_model
 from ddp_cli.observe.console import RunConsole
+from ddp_cli.run.worker import assert_identical_across_ranks
 from ddp_cli.train.trainer import Trainer
 
 CLASSES = 3

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_cli.bench.data import machine
-from ddp_cli.bench.procs import run_workers
+from ddp_cli.run.loopback import run_workers
 
 MB = 2**20
 
@@ -50,7 +50,7 @@ def _allreduce_worker(rank: int, world_size: int, sizes_mb: list[float], budget_
 def bench_allreduce(sizes_mb: list[float], world_size: int = 2, threads: int = 1,
                     budget_mb: float = 512) -> dict:
     """All-reduce vs copy for each size; repeats per size = max(3, budget_mb / size)."""
-    rows = run_workers(_allreduce_worker, world_size, threads, sizes_mb, budget_mb)
+    rows = run_workers(_allreduce_worker, world_size, sizes_mb, budget_mb, threads=threads)[0]
     return {
         "bench": "allreduce",
         "backend": "gloo",

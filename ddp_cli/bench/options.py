@@ -11,8 +11,8 @@ not timed). Ratio > 1: the setting helps.
 
 from __future__ import annotations
 
-from ddp_cli.bench.procs import run_workers
 from ddp_cli.bench.step import CPU, StepSpec, step_header, time_ddp
+from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.precision import resolve_precision
 
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -38,7 +38,7 @@ def bench_options(spec: StepSpec, world_size: int = 2, threads: int = 1,
                   names: list[str] | None = None) -> dict:
     names = names or list(VARIANTS)
     precision = resolve_precision("auto", CPU)
-    seconds = run_workers(_options_worker, world_size, threads, spec, precision, names)
+    seconds = run_workers(_options_worker, world_size, spec, precision, names, threads=threads)[0]
     images = spec.rounds * spec.steps * spec.batch_size * world_size
     rate = {name: images / s for name, s in seconds.items()}
     base = rate.get("defaults")

@@ -10,8 +10,8 @@ all-reduce that backward did not hide.
 
 from __future__ import annotations
 
-from ddp_cli.bench.procs import run_workers
 from ddp_cli.bench.step import CPU, StepSpec, breakdown, step_header, time_ddp
+from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.precision import resolve_precision
 
 
@@ -34,7 +34,7 @@ def bench_scaling(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict
     for r in range(spec.rounds):
         for world in worlds:
             last = r == spec.rounds - 1 and world > 1
-            out = run_workers(_scaling_worker, world, threads, spec, precision, last)
+            out = run_workers(_scaling_worker, world, spec, precision, last, threads=threads)[0]
             seconds[world] += out["seconds"]
             parts = out["breakdown"] or parts
     rows = []

@@ -37,13 +37,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_cli.bench.data import machine
-from ddp_cli.bench.procs import run_workers
 from ddp_cli.config import ModelConfig, RunConfig, apply_override
 from ddp_cli.data.loaders import Loaders
 from ddp_cli.data.transforms import MEAN, STD, to_model_input
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.models import build_model, count_parameters
 from ddp_cli.observe.console import RunConsole
+from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.precision import autocast, resolve_precision
 from ddp_cli.train.trainer import Trainer
 
@@ -233,7 +233,7 @@ def step_header(bench: str, spec: StepSpec, world_size: int, threads: int) -> di
 def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
     """Run the variants in `world_size` gloo workers of `threads` threads each; the shared bench dict."""
     fast = resolve_precision("auto", CPU)
-    out = run_workers(_step_worker, world_size, threads, spec, fast)
+    out = run_workers(_step_worker, world_size, spec, fast, threads=threads)[0]
     rate = {(r["loop"], r["precision"], r["channels_last"]): r["images_per_second"] for r in out["rows"]}
     return {
         **step_header("step", spec, world_size, threads),

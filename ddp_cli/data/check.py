@@ -18,11 +18,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import fsspec
+
 from ddp_cli.data.images import BadImage, decode
 from ddp_cli.data.layouts import SPLITS, build_index
 from ddp_cli.data.loaders import fetch
 from ddp_cli.data.storage import FileReader
-from ddp_cli.registry import DatasetEntry
 
 CHUNK = 4096  # files in flight at once: a million futures would not fit in memory
 
@@ -32,15 +33,16 @@ def default_workers() -> int:
 
 
 def check_dataset(
-    entry: DatasetEntry,
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    layout: str,
     splits: tuple[str, ...] = SPLITS,
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Scan `splits` of `entry`; `progress(done, total)` is called as files are checked."""
+    """Scan `splits` of the data set at `root`; `progress(done, total)` is called as files are checked."""
     started = time.perf_counter()
-    fs, root = entry.open()
-    index = build_index(fs, root, entry.layout, splits=splits)
+    index = build_index(fs, root, layout, splits=splits)
     reader = FileReader(fs, root)
     paths = [path for split in splits for path in index.splits[split]["path"]]
     bad = list(index.problems)
@@ -53,8 +55,6 @@ def check_dataset(
                 if progress:
                     progress(start + offset + 1, len(paths))
     return {
-        "name": entry.name,
-        "root": entry.storage.path,
         "splits": {split: {"images": len(frame), "classes": int(frame["label"].nunique())}
                    for split, frame in index.splits.items()},
         "bad_files": sorted(bad, key=lambda b: b["path"]),

@@ -9,66 +9,23 @@ and `--resume auto` can fall back to the previous one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ddp_cli.errors import ConfigError, DataError
+from ddp_cli.io import CHECKPOINT_FORMAT, atomic_write, fsync_dir, is_checkpoint, load_plain, sha256_of
 
-FORMAT = 1
 log = logging.getLogger("ddp")
 
 
-def atomic_write(path: Path, write: callable) -> None:
-    """Call `write(file)` on a temp file beside `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make renames in `folder` durable (a crash after this cannot undo them)."""
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
-    atomic_write(path, lambda f: torch.save({"format": FORMAT, **state}, f))
-
-
-def load_plain(path: Path) -> Any:
-    """Load with `weights_only=True`: tensors, numbers, strings and containers, nothing else."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise DataError(f"{path}: refused, it holds more than plain data (weights_only load): "
-                        f"{str(e).splitlines()[0]}") from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable or truncated checkpoint ({str(e).splitlines()[0]})") from e
-
-
-def is_checkpoint(state: Any) -> bool:
-    return isinstance(state, dict) and state.get("format") == FORMAT
+    atomic_write(path, lambda f: torch.save({"format": CHECKPOINT_FORMAT, **state}, f))
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -81,19 +38,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise DataError(f"{path}: {problem}; use another checkpoint (--resume auto picks a valid one)")
     state = load_plain(path)
     if not is_checkpoint(state):
-        raise DataError(f"{path}: not a ddp checkpoint (no format {FORMAT} marker)")
+        raise DataError(f"{path}: not a ddp checkpoint (no format {CHECKPOINT_FORMAT} marker)")
     return state
 
 
 MANIFEST = ".json"  # sidecar: <checkpoint>.json with sha256, size and position
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_manifest(path: Path, info: dict[str, Any]) -> None:

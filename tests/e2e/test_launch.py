@@ -6,9 +6,10 @@ import os
 import socket
 
 import pytest
-from conftest import free_port, last_json, run_ddp
+from conftest import last_json, run_ddp
 
-from ddp_cli.distributed.launch import LaunchOptions, expand_nodelist, slurm_defaults, with_environment
+from ddp_cli.run.launch import LaunchOptions, expand_nodelist, slurm_defaults, with_environment
+from ddp_cli.run.loopback import free_port
 
 SMALL = ["--set", "train.epochs=1", "--set", "train.max_steps_per_epoch=5", "--set", "data.workers=0",
          "--set", "distributed.rdzv_timeout_s=8"]

@@ -1,15 +1,19 @@
-"""Gloo worker processes on loopback for the benches that need a real process group.
+"""Gloo worker processes on loopback: the one harness benches and tests share.
 
-`run_workers(fn, world_size, threads, *args)` spawns `world_size` processes
+`run_workers(fn, world_size, *args)` spawns `world_size` processes
 (torch.multiprocessing, "spawn"), each joining a gloo group over 127.0.0.1
 with `threads` intra-op threads, runs `fn(rank, world_size, *args)` and
-returns rank 0's result. Every process is joined within `timeout` seconds or
-killed; a failure in any rank is raised as one line naming the rank.
+returns every rank's result, in rank order. Results travel pickled by value
+(tensors included), so nothing depends on a process that has exited. Every
+process is joined within `timeout` seconds or killed; a failure in any rank is
+raised as one line naming the rank (the whole traceback with `--verbose`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import queue
 import socket
 import time
@@ -25,6 +29,7 @@ import torch.multiprocessing as mp
 from ddp_cli.errors import DdpError
 
 TIMEOUT_S = 900
+log = logging.getLogger("ddp")
 
 
 def free_port() -> int:
@@ -42,7 +47,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, threads: int, port: int
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as e:  # reported to the parent, which raises it as one line
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -50,8 +55,12 @@ def _rank_main(fn: Callable, rank: int, world_size: int, threads: int, port: int
             dist.destroy_process_group()
 
 
-def run_workers(fn: Callable, world_size: int, threads: int, *args: Any, timeout: float = TIMEOUT_S) -> Any:
-    """Rank 0's return value of `fn(rank, world_size, *args)` run in `world_size` gloo processes."""
+def run_workers(fn: Callable, world_size: int, *args: Any, threads: int = 1,
+                timeout: float = TIMEOUT_S) -> list[Any]:
+    """Every rank's return value of `fn(rank, world_size, *args)`, run in `world_size` gloo processes.
+
+    `fn` must be a module-level function (spawned processes import it).
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -69,11 +78,12 @@ def run_workers(fn: Callable, world_size: int, threads: int, *args: Any, timeout
                 if dead or time.monotonic() > deadline:
                     why = (f"rank {dead[0]} exited without a result" if dead
                            else f"timed out after {timeout:.0f} s")
-                    raise DdpError(f"bench workers: {why}") from None
+                    raise DdpError(f"loopback workers: {why}") from None
                 continue
             if status == "error":
-                raise DdpError(f"bench worker rank {rank} failed: {value.splitlines()[0]}")
-            outcome[rank] = value
+                log.debug("rank %d failed:\n%s", rank, value)
+                raise DdpError(f"loopback worker rank {rank} failed: {value.splitlines()[0]}")
+            outcome[rank] = pickle.loads(value)
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
     finally:
@@ -81,4 +91,4 @@ def run_workers(fn: Callable, world_size: int, threads: int, *args: Any, timeout
             if p.is_alive():
                 p.kill()
                 p.join()
-    return outcome[0]
+    return [outcome[r] for r in range(world_size)]

@@ -18,8 +18,8 @@ from typing import Any
 
 from ddp_cli.config import RunConfig, config_from_dict
 from ddp_cli.data.layouts import IndexTable
+from ddp_cli.io import write_text
 from ddp_cli.registry import DatasetEntry
-from ddp_cli.train.checkpoint import atomic_write
 
 
 @dataclass
@@ -44,10 +44,6 @@ def read_job(folder: Path) -> tuple[RunConfig, DatasetEntry, IndexTable, Job]:
     entry = DatasetEntry.model_validate_json((folder / "dataset.json").read_text())
     job = Job(**json.loads((folder / "job.json").read_text()))
     return cfg, entry, IndexTable.load(folder / "index"), job
-
-
-def write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def write_result(folder: Path, result: dict[str, Any]) -> None:

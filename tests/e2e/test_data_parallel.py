@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_distributed
 from replicas import CLASSES, train_replica
 
 from ddp_cli.config import config_from_dict
 from ddp_cli.models import build_model
+from ddp_cli.run.loopback import run_workers
 
 STEPS = 4
 
 
 def replicas(tmp_path, world_size: int, batch: int, accum: int, optim: dict) -> list[dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     sections = {"data": {"batch_size": batch}, "optim": optim, "train": {"grad_accum": accum}}
-    return run_distributed(train_replica, world_size, tmp_path, sections, STEPS, str(tmp_path))
+    return run_workers(train_replica, world_size, sections, STEPS, str(tmp_path))
 
 
 def single_process(tmp_path, batch: int, accum: int, optim: dict):

@@ -81,22 +81,28 @@ def test_check_json_finds_every_planted_fault_and_passes_the_oddities(faulty):
     assert "checking" not in result.stderr  # no progress bar: not a TTY, and --json
 
 
+def opened(registry, name: str) -> tuple:
+    """(fs, root, layout) of a registry entry: what check_dataset takes."""
+    entry = load_registry(registry).get(name)
+    return (*entry.open(), entry.layout)
+
+
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_check_one_split(faulty, split):
-    out = check_dataset(load_registry(faulty).get("faulty"), (split,), workers=2)
+    out = check_dataset(*opened(faulty, "faulty"), (split,), workers=2)
     assert set(out["splits"]) == {split}
     assert bad_files(out) == expected(split)
 
 
 def test_check_is_the_same_with_one_thread_or_many(faulty):
-    entry = load_registry(faulty).get("faulty")
-    one, many = check_dataset(entry, workers=1), check_dataset(entry, workers=16)
+    entry = opened(faulty, "faulty")
+    one, many = check_dataset(*entry, workers=1), check_dataset(*entry, workers=16)
     assert one["bad_files"] == many["bad_files"] and one["splits"] == many["splits"]
 
 
 def test_check_reports_progress_up_to_the_total(faulty):
     calls: list[tuple[int, int]] = []
-    check_dataset(load_registry(faulty).get("clean"), workers=3, progress=lambda d, t: calls.append((d, t)))
+    check_dataset(*opened(faulty, "clean"), workers=3, progress=lambda d, t: calls.append((d, t)))
     assert calls[-1] == (18, 18)
     assert [d for d, _ in calls] == list(range(1, 19))
 

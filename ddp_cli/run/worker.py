@@ -1,4 +1,4 @@
-"""One worker process: `python -m ddp_cli.distributed.worker JOB_DIR`, started by the elastic agent.
+"""One worker process: `python -m ddp_cli.run.worker JOB_DIR`, started by the elastic agent.
 
 The three ideas of the seeds, in order: prepare (join the group, build loaders
 and an identical model on every rank), train (Trainer.fit), and the gradient
@@ -26,10 +26,10 @@ from ddp_cli.data.loaders import build_loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything, setup, teardown
 from ddp_cli.errors import INTERNAL, SIGINT, ConfigError, DdpError
 from ddp_cli.fastexit import exit_if_stuck, exit_now
-from ddp_cli.jobs import Job, read_job, record_error, write_result
 from ddp_cli.models import build_model, load_weights
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.registry import DatasetEntry
+from ddp_cli.run.jobs import Job, read_job, record_error, write_result
 from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint
 from ddp_cli.train.precision import resolve_precision
 from ddp_cli.train.trainer import Trainer, evaluate

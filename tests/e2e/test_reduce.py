@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_distributed
 from replicas import make_config, make_trainer, step_replica, weights
 
 from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.reduce import powersgd_warmup
+from ddp_cli.run.loopback import run_workers
 
 STEPS = 4
 LR = 0.5
@@ -45,7 +45,7 @@ def train_variants(rank: int, world_size: int, folder: str) -> dict[str, list[di
 @pytest.fixture(scope="module")
 def history(tmp_path_factory) -> dict[str, list[dict]]:
     folder = tmp_path_factory.mktemp("reduce")
-    ranks = run_distributed(train_variants, 2, folder, str(folder))
+    ranks = run_workers(train_variants, 2, str(folder))
     for name in VARIANTS:  # whatever the hook, every replica applied the same update
         for a, b in zip(ranks[0][name], ranks[1][name], strict=True):
             for key in a:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from conftest import run_distributed
 from replicas import make_config, make_trainer, step_replica, weights
 from torch import nn
 
+from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.checkpoint import load_checkpoint
 from ddp_cli.train.ema import EmaModel
 
@@ -74,7 +74,7 @@ def train_save_resume(rank: int, world_size: int, folder: str) -> dict:
 
 
 def test_trainer_averages_every_step_and_checkpoints_the_average(tmp_path):
-    out = run_distributed(train_save_resume, 1, tmp_path, str(tmp_path))[0]
+    out = run_workers(train_save_resume, 1, str(tmp_path))[0]
     expected = out["lives"][0]
     for t, live in enumerate(out["lives"][1:]):
         d = min(0.9, (1 + t) / (10 + t))

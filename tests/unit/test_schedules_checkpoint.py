@@ -10,7 +10,8 @@ import torch
 
 from ddp_cli.config import ScheduleConfig
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.train.checkpoint import atomic_write, load_checkpoint, save_checkpoint
+from ddp_cli.io import atomic_write
+from ddp_cli.train.checkpoint import load_checkpoint, save_checkpoint
 from ddp_cli.train.schedules import ONECYCLE_END, ONECYCLE_START, build_scheduler, lr_factor
 
 SPE = 10  # steps per epoch

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_distributed
 from replicas import make_config, make_trainer, step_replica, weights
+
+from ddp_cli.run.loopback import run_workers
 
 pytestmark = pytest.mark.slow
 STEPS = 2
@@ -26,7 +27,7 @@ def eager_and_compiled(rank: int, world_size: int, folder: str) -> dict[str, dic
 
 
 def test_compiled_training_matches_eager(tmp_path):
-    out = run_distributed(eager_and_compiled, 1, tmp_path, str(tmp_path), timeout=300)[0]
+    out = run_workers(eager_and_compiled, 1, str(tmp_path), timeout=300)[0]
     start, eager, compiled = out["start"], out["eager"], out["compiled"]
     assert max((eager[k] - start[k]).abs().max().item() for k in start if start[k].is_floating_point()) > 1e-3
     for key in eager:

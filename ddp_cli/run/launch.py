@@ -1,6 +1,6 @@
 """Starting workers through torch's elastic agent (the engine behind torchrun).
 
-The agent runs `python -m ddp_cli.distributed.worker JOB_DIR` once per local
+The agent runs `python -m ddp_cli.run.worker JOB_DIR` once per local
 worker, sets RANK/WORLD_SIZE/MASTER_* for each, rendezvouses with the other
 nodes (c10d), and when one worker fails it stops the rest at once, so nobody
 waits on a dead peer. We then name the original failure and its exit code.
@@ -24,9 +24,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
-from ddp_cli.distributed.worker import LAUNCHED
 from ddp_cli.errors import INTERNAL, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
-from ddp_cli.jobs import clear_errors, first_error
+from ddp_cli.run.jobs import clear_errors, first_error
+from ddp_cli.run.worker import LAUNCHED
 
 SLURM_RDZV_PORT = 29400
 
@@ -136,7 +136,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
     clear_errors(job_dir)
     os.environ[LAUNCHED] = "1"  # workers leave the printing of errors to us
     try:
-        elastic_launch(config, sys.executable)("-m", "ddp_cli.distributed.worker", str(job_dir))
+        elastic_launch(config, sys.executable)("-m", "ddp_cli.run.worker", str(job_dir))
     except ChildFailedError as e:
         raise failure(job_dir, e) from None
     except SignalException as e:  # the agent has already passed the signal on to the workers

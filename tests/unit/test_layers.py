@@ -1,0 +1,90 @@
+"""The package's layers point one way: no module imports a layer above its own.
+
+Read from the source (every `import`, at module level or inside a function),
+so a lazy import cannot hide a wrong dependency. Packages in the same layer
+are siblings and may not import each other either: data/ knows nothing of
+distributed/, and neither knows models or observe.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "ddp_cli"
+
+# bottom to top; each entry is one layer of sibling groups (a module belongs to its longest prefix)
+LAYERS: list[tuple[str, ...]] = [
+    ("ddp_cli", "ddp_cli.errors", "ddp_cli.fastexit"),
+    ("ddp_cli.io",),
+    ("ddp_cli.config",),
+    ("ddp_cli.data", "ddp_cli.distributed", "ddp_cli.models", "ddp_cli.observe"),
+    ("ddp_cli.registry",),
+    ("ddp_cli.train",),
+    ("ddp_cli.run",),
+    ("ddp_cli.bench",),
+    ("ddp_cli.preflight", "ddp_cli.plan", "ddp_cli.commands"),
+    ("ddp_cli.cli",),
+    ("ddp_cli.__main__",),
+]
+SHARED_GROUP = {"ddp_cli.preflight", "ddp_cli.plan", "ddp_cli.commands"}  # one layer, one job: commands
+
+
+def group_of(module: str) -> str:
+    """The layer group `module` belongs to; a module no group names has no layer (an error)."""
+    groups = [g for layer in LAYERS for g in layer]
+    owners = [g for g in groups if module == g or (g != "ddp_cli" and module.startswith(g + "."))]
+    if not owners:
+        raise AssertionError(f"{module} belongs to no layer; add it to LAYERS")
+    return max(owners, key=len)
+
+
+def layer_of(group: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if group in layer)
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts).removesuffix(".__init__")
+        found[name] = path
+    return found
+
+
+def imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n == "ddp_cli" or n.startswith("ddp_cli.")}
+
+
+def violations(module: str, targets: set[str]) -> list[str]:
+    mine, found = group_of(module), []
+    for target in sorted(targets):
+        theirs = group_of(target)
+        if theirs == mine or (mine in SHARED_GROUP and theirs in SHARED_GROUP):
+            continue
+        if layer_of(theirs) >= layer_of(mine):
+            found.append(f"{module} imports {target}: layer {layer_of(theirs)} ({theirs}) is not "
+                         f"below layer {layer_of(mine)} ({mine})")
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_no_module_imports_a_layer_above_or_a_sibling(module):
+    assert violations(module, imports(modules()[module])) == []
+
+
+def test_the_rule_refuses_upward_and_sibling_imports():
+    assert violations("ddp_cli.data.check", {"ddp_cli.registry"})  # the data layer reading the registry
+    assert violations("ddp_cli.data.loaders", {"ddp_cli.distributed.setup"})  # siblings
+    assert violations("ddp_cli.train.trainer", {"ddp_cli.run.worker"})
+    assert not violations("ddp_cli.run.worker", {"ddp_cli.train.trainer", "ddp_cli.run.jobs"})
+    with pytest.raises(AssertionError, match="no layer"):
+        group_of("ddp_cli.newthing")
