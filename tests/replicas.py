@@ -65,11 +65,13 @@ def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
 
 
-def train_replica(rank: int, world_size: int, sections: dict, steps: int, folder: str):
-    """Run `steps` optimisation steps; return the weights (checked identical across ranks)."""
+def train_replica(rank: int, world_size: int, sections: dict, steps: int, folder: str) -> dict:
+    """Run `steps` optimisation steps; {"start": the weights the run began from, "end": after training}
+    (checked identical across ranks)."""
     trainer = make_trainer(rank, world_size, make_config(sections), steps, folder)
+    start = weights(trainer)
     for step in range(steps):
         step_replica(trainer, rank, world_size, step)
     if world_size > 1:
         assert_identical_across_ranks(trainer.model.module, "after training")
-    return weights(trainer)
+    return {"start": start, "end": weights(trainer)}

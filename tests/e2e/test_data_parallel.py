@@ -16,7 +16,7 @@ STEPS = 4
 def replicas(tmp_path, world_size: int, batch: int, accum: int, optim: dict) -> list[dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     sections = {"data": {"batch_size": batch}, "optim": optim, "train": {"grad_accum": accum}}
-    return run_workers(train_replica, world_size, sections, STEPS, str(tmp_path))
+    return [r["end"] for r in run_workers(train_replica, world_size, sections, STEPS, str(tmp_path))]
 
 
 def single_process(tmp_path, batch: int, accum: int, optim: dict):
