@@ -14,8 +14,8 @@ from ddp_cli.config import RunConfig, config_from_dict
 from ddp_cli.data.loaders import Loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.models import build_model
-from ddp_cli.observe.console import RunConsole
 from ddp_cli.run.worker import assert_identical_across_ranks
+from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
 from ddp_cli.train.trainer import Trainer
 
 CLASSES = 3
@@ -43,11 +43,13 @@ def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_trainer(rank: int, world_size: int, cfg: RunConfig, steps: int, folder: str) -> Trainer:
+    """A Trainer as a worker builds one, with no loaders (steps are fed by hand) and checkpoints
+    in `folder`/checkpoints (rank 0 writes)."""
     ctx = DistContext(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
     seed_everything(cfg.seed)
     model = build_model(cfg.model, CLASSES)
-    loaders = Loaders(train=[None] * steps * cfg.train.grad_accum, val=[], train_sampler=None)
-    trainer = Trainer(cfg, ctx, loaders, model, Path(folder), {}, RunConsole(False))
+    store = CheckpointStore(Path(folder) / "checkpoints", cfg.checkpoint.keep_last)
+    trainer = Trainer(cfg, ctx, model, Loaders(None, [], None), steps, Checkpointer(store, writes=rank == 0))
     trainer.model.eval()  # BatchNorm in eval: a sample's gradient does not depend on its batch-mates
     return trainer
 

@@ -16,19 +16,17 @@ per-worker batch, world size and threads:
 Each loop also runs at the other's precision and memory format, so the rows
 show both the gain from the settings and that ddp is not slower at equal ones.
 The variants alternate over `rounds` (fresh model each time) so background load
-hits all alike. A breakdown times the phases of ddp's step with the default
-settings (data wait, forward, backward, optimizer), once with DDP's all-reduce
-and once under `no_sync`: the difference in backward is the all-reduce time
-that backward did not hide.
+hits all alike. A breakdown times the Trainer's own step methods with the
+default settings (data wait, `forward_loss`, `backward`, `optimizer_step` with
+its scaler, clipping and EMA), once with DDP's all-reduce and once under
+`no_sync`: the difference in backward is the all-reduce time that backward did
+not hide.
 """
 
 from __future__ import annotations
 
-import tempfile
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,10 +37,9 @@ from torch.utils.data import DataLoader, Dataset
 from ddp_cli.bench.data import machine
 from ddp_cli.config import ModelConfig, RunConfig, apply_override
 from ddp_cli.data.loaders import Loaders
-from ddp_cli.data.transforms import MEAN, STD, to_model_input
+from ddp_cli.data.transforms import MEAN, STD
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.models import build_model, count_parameters
-from ddp_cli.observe.console import RunConsole
 from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.precision import autocast, resolve_precision
 from ddp_cli.train.trainer import Trainer
@@ -95,7 +92,7 @@ def loader(spec: StepSpec, as_float: bool) -> DataLoader:
                       persistent_workers=False)
 
 
-def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool, run_dir: Path,
+def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
                 overrides: tuple[str, ...] = ()) -> Trainer:
     """ddp's Trainer as a worker builds it, over the synthetic loader; `overrides` as `--set` takes them."""
     raw = {
@@ -112,20 +109,16 @@ def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool, run_dir: Pa
     ctx = DistContext(rank, world, rank, world, CPU, "gloo")
     torch.manual_seed(0)
     model = build_model(cfg.model, spec.classes, spec.image_size)
-    return Trainer(cfg, ctx, Loaders(loader(spec, as_float=False), None, None), model, run_dir, {},
-                   RunConsole(False))
+    train = loader(spec, as_float=False)
+    return Trainer(cfg, ctx, model, Loaders(train, None, None), len(train))
 
 
 def time_ddp(spec: StepSpec, precision: str, channels_last: bool, overrides: tuple[str, ...] = ()) -> float:
     """Seconds for `spec.steps` of the Trainer's train_step, after the warm-up."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        trainer = ddp_trainer(spec, precision, channels_last, Path(run_dir), overrides)
-        trainer.model.train()
-        batches = iter(trainer.loaders.train)
-        try:
-            return _timed(spec, lambda: trainer.train_step([next(batches)]))
-        finally:
-            trainer.close()
+    trainer = ddp_trainer(spec, precision, channels_last, overrides)
+    trainer.model.train()
+    batches = iter(trainer.loaders.train)
+    return _timed(spec, lambda: trainer.train_step([next(batches)]))
 
 
 def time_tutorial(spec: StepSpec, precision: str, channels_last: bool) -> float:
@@ -162,31 +155,26 @@ def _timed(spec: StepSpec, step) -> float:
 
 
 def phase_seconds(spec: StepSpec, precision: str, channels_last: bool, sync: bool) -> dict[str, float]:
-    """Mean seconds per step in each phase of ddp's step; `sync=False` runs backward under no_sync."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        trainer = ddp_trainer(spec, precision, channels_last, Path(run_dir))
-        model, batches = trainer.model, iter(trainer.loaders.train)
-        model.train()
-        totals = dict.fromkeys(PHASES, 0.0)
-        for i in range(spec.warmup + spec.steps):
-            marks = [time.perf_counter()]
-            images, labels, _, _ = next(batches)
+    """Mean seconds per step in each phase of the Trainer's own step methods; `sync=False` runs
+    forward and backward without DDP's all-reduce (as on all but the last micro-batch)."""
+    trainer = ddp_trainer(spec, precision, channels_last)
+    trainer.model.train()
+    batches = iter(trainer.loaders.train)
+    totals = dict.fromkeys(PHASES, 0.0)
+    for i in range(spec.warmup + spec.steps):
+        marks = [time.perf_counter()]
+        batch = next(batches)
+        marks.append(time.perf_counter())
+        with trainer.gradient_sync(sync):
+            loss = trainer.forward_loss(batch)
             marks.append(time.perf_counter())
-            with nullcontext() if sync else model.no_sync():
-                x = to_model_input(images, CPU, channels_last)
-                with autocast(CPU, precision):
-                    loss = trainer.loss_fn(trainer.forward(x), labels)
-                marks.append(time.perf_counter())
-                loss.backward()
-            marks.append(time.perf_counter())
-            trainer.optimizer.step()
-            trainer.optimizer.zero_grad(set_to_none=True)
-            trainer.scheduler.step()
-            marks.append(time.perf_counter())
-            if i >= spec.warmup:
-                for phase, start, end in zip(PHASES, marks[:-1], marks[1:], strict=True):
-                    totals[phase] += end - start
-        trainer.close()
+            trainer.backward(loss)
+        marks.append(time.perf_counter())
+        trainer.optimizer_step()
+        marks.append(time.perf_counter())
+        if i >= spec.warmup:
+            for phase, start, end in zip(PHASES, marks[:-1], marks[1:], strict=True):
+                totals[phase] += end - start
     return {phase: seconds / spec.steps for phase, seconds in totals.items()}
 
 

@@ -24,15 +24,17 @@ from ddp_cli.config import RunConfig
 from ddp_cli.data.layouts import IndexTable
 from ddp_cli.data.loaders import build_loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything, setup, teardown
+from ddp_cli.distributed.signals import StopRequest, control_group
 from ddp_cli.errors import INTERNAL, SIGINT, ConfigError, DdpError
 from ddp_cli.fastexit import exit_if_stuck, exit_now
 from ddp_cli.models import build_model, load_weights
 from ddp_cli.observe.console import RunConsole
+from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.jobs import Job, read_job, record_error, write_result
-from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint
+from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore, load_checkpoint
 from ddp_cli.train.precision import resolve_precision
-from ddp_cli.train.trainer import Trainer, evaluate
+from ddp_cli.train.trainer import Trainer, count_steps, evaluate
 
 log = logging.getLogger("ddp")
 LAUNCHED = "DDP_LAUNCHED"  # set by our launcher for its workers
@@ -77,8 +79,10 @@ def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
     return path if path.is_absolute() else folder / "checkpoints" / path
 
 
-def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
-              index: IndexTable, job: Job) -> dict[str, Any]:
+def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
+                  index: IndexTable, job: Job) -> Trainer:
+    """The worker's Trainer: an identical model on every rank, this rank's loaders, and what ties
+    the run to its process (stop signals, checkpoints in the run dir, metrics on rank 0)."""
     seed_everything(cfg.seed, cfg.deterministic)
     model = build_model(cfg.model, len(index.classes), cfg.data.image_size)  # same seed: same weights
     if cfg.model.weights:
@@ -86,13 +90,23 @@ def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntr
     fs, root = entry.open()
     loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
                             pin_memory=ctx.device.type == "cuda")
+    meta = {"config": cfg.model_dump(mode="json"), "dataset": entry.model_dump(mode="json"),
+            "classes": index.classes}
+    checkpointer = Checkpointer(CheckpointStore(folder / "checkpoints", cfg.checkpoint.keep_last),
+                                writes=ctx.local_rank == 0, every_steps=cfg.checkpoint.every_steps,
+                                stop=StopRequest(control_group(ctx.backend)), meta=meta)
+    metrics = build_sinks(cfg.logging, folder, cfg.model_dump(mode="json")) if ctx.is_main else None
     console = RunConsole(ctx.is_main and not job.quiet, cfg.logging.every_steps)
-    extra = {"config": cfg.model_dump(mode="json"), "dataset": entry.model_dump(mode="json"),
-             "classes": index.classes}
-    trainer = Trainer(cfg, ctx, loaders, model, folder, extra, console)
+    return Trainer(cfg, ctx, model, loaders, count_steps(len(loaders.train), cfg.train),
+                   checkpointer, metrics, console)
+
+
+def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
+              index: IndexTable, job: Job) -> dict[str, Any]:
+    trainer = build_trainer(cfg, ctx, folder, entry, index, job)
     checkpoint = resume_point(job, folder, ctx)
     if checkpoint:
-        trainer.resume(load_checkpoint(checkpoint))
+        trainer.resume(checkpoint)
         if ctx.is_main:  # said even with --quiet/--json: a run that did not start fresh must say so
             log.info(f"resumed from {checkpoint} (epoch {trainer.state.epoch + 1}, "
                      f"step {trainer.state.step})")

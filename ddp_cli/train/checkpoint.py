@@ -1,8 +1,7 @@
-"""Checkpoints: plain data only, written atomically, loaded without running pickled code.
+"""Checkpoints: what goes into one and when (`Checkpointer`), and where they live (`CheckpointStore`).
 
-A kill at any instant leaves either the old file or the new one, never half of
-one: write a temp file in the same folder, fsync it, rename over the target,
-fsync the folder. Each checkpoint has a sidecar manifest (`<name>.json`: sha256,
+Plain data only, written atomically (ddp_cli.io), loaded without running
+pickled code. Each checkpoint has a sidecar manifest (`<name>.json`: sha256,
 size, epoch, step) so that a truncated or altered file is recognised on load
 and `--resume auto` can fall back to the previous one.
 """
@@ -13,13 +12,19 @@ import json
 import logging
 import os
 import shutil
+import signal
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
-from ddp_cli.errors import ConfigError, DataError
+from ddp_cli.distributed.signals import StopRequest
+from ddp_cli.errors import ConfigError, DataError, DdpError
 from ddp_cli.io import CHECKPOINT_FORMAT, atomic_write, fsync_dir, is_checkpoint, load_plain, sha256_of
+from ddp_cli.train import rng
 
 log = logging.getLogger("ddp")
 
@@ -123,3 +128,133 @@ class CheckpointStore:
                 return path
             log.warning("skipping checkpoint %s: %s", path, problem)
         return None
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass
+class RunState:
+    """Where the run stands: every field is saved (flat, at a checkpoint's top level) and restored."""
+
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimisation steps completed, all epochs
+    step_in_epoch: int = 0  # of the epoch under way (0 at an epoch boundary)
+    samples_in_epoch: int = 0  # positions of this epoch's permutation consumed, all ranks
+    global_batch: int = 0  # images per optimisation step when this state was reached
+    running: list[float] = field(default_factory=lambda: [0.0, 0.0])  # the epoch's loss sum, steps
+    best_top1: float = -1.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    final: dict[str, float] = field(default_factory=dict)
+    final_ema: dict[str, float] | None = None  # the EMA weights' validation, when on
+    skipped_files: list[str] = field(default_factory=list)  # bad files replaced under "skip"
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every field the checkpoint has; fields added since it was written keep their defaults."""
+        for f in fields(self):
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
+
+    def position(self) -> dict[str, Any]:
+        """The scalar fields: what a manifest and a log line say about a checkpoint."""
+        return {k: v for k, v in self.state_dict().items() if isinstance(v, int | float)}
+
+
+class RankRngs:
+    """Every rank's generators: gathered for the writer on save, each rank's own restored on load.
+
+    Another world size cannot replay the same draws, so its states are left alone.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def state_dict(self) -> list[dict[str, Any] | None]:
+        states: list[dict[str, Any] | None] = [None] * self.world_size
+        dist.all_gather_object(states, rng.capture())
+        return states
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if len(states) == self.world_size:
+            rng.restore(states[self.rank])
+
+
+class Checkpointer:
+    """What goes into a checkpoint and when (after torchtitan's CheckpointManager, timm's CheckpointSaver).
+
+    The run's progress (a `RunState`) is tracked, written flat at the top level;
+    the stateful parts (model, optimiser, scheduler, scaler, EMA, RNGs) are
+    registered once by name and saved as `part.state_dict()`; `meta` (config,
+    data set, classes) rides along so `ddp validate` needs nothing else. The
+    loop calls `after_step()`: a save comes at each epoch's end (with its val
+    top-1, which decides best.pt), every `every_steps`, and after the step at
+    which all ranks agreed to stop on a signal, which then ends the run (exit
+    143/130). Every rank takes part (RNG states are gathered); ranks with
+    `writes` (each node's first) write, so any node can resume.
+    """
+
+    def __init__(self, store: CheckpointStore | None, writes: bool = True, every_steps: int = 0,
+                 stop: StopRequest | None = None, meta: dict[str, Any] | None = None) -> None:
+        self.store, self.writes, self.every, self.stop = store, writes, every_steps, stop
+        self.meta = meta or {}
+        self.progress = RunState()
+        self.before_save: Callable[[], None] = lambda: None
+        self.parts: dict[str, Stateful] = {}
+        self.optional: set[str] = set()
+
+    def track(self, progress: RunState, before_save: Callable[[], None]) -> None:
+        """The run's progress, and what must happen before any save (e.g. refuse diverged weights)."""
+        self.progress, self.before_save = progress, before_save
+
+    def register(self, optional: tuple[str, ...] = (), **parts: Stateful | None) -> None:
+        """Parts saved and restored by name; `optional` ones may be absent from a checkpoint."""
+        self.parts.update({name: part for name, part in parts.items() if part is not None})
+        self.optional.update(optional)
+
+    def after_step(self, top1: float | None = None) -> Path | None:
+        """Called after every mid-epoch step, and at each epoch's end with its val top-1."""
+        signum = self.stop.agreed() if self.stop else 0
+        due = top1 is not None or signum or (self.every and self.progress.step % self.every == 0)
+        path = self.save(top1) if due else None
+        if signum:
+            run_dir = self.store.folder.parent if self.store else None
+            raise DdpError(f"stopped by {signal.Signals(signum).name} after step {self.progress.step}, "
+                           f"checkpoint {path or self.store.folder if self.store else 'not written'}; "
+                           f"the same command with --run-dir {run_dir} resumes it",
+                           StopRequest.exit_code(signum))
+        return path
+
+    def save(self, top1: float | None = None) -> Path | None:
+        """A checkpoint of the current step; returns its path on writing ranks."""
+        self.before_save()
+        best = top1 is not None and top1 > self.progress.best_top1
+        if top1 is not None:
+            self.progress.best_top1 = max(self.progress.best_top1, top1)
+        parts = {name: part.state_dict() for name, part in self.parts.items()}  # collective: every rank
+        if not (self.writes and self.store):
+            return None
+        state = {**self.progress.state_dict(), **parts, **self.meta}
+        return self.store.save(state, {**self.progress.position(), "top1": top1}, best)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore the progress and every registered part from `path`; returns the checkpoint."""
+        state = load_checkpoint(path)
+        self.progress.load_state_dict(state)
+        for name, part in self.parts.items():
+            if state.get(name) is None:
+                if name in self.optional:
+                    continue
+                raise DataError(f"{path}: the checkpoint has no {name} state; resume from another one "
+                                "(--resume PATH) or start afresh (--resume never)")
+            try:
+                part.load_state_dict(state[name])
+            except (RuntimeError, ValueError, KeyError) as e:
+                raise ConfigError(f"resume: {path}: its {name} does not fit this run (another model or "
+                                  f"class count? {str(e).strip().splitlines()[0]}); use --resume never "
+                                  "or a new --run-dir") from e
+        return state

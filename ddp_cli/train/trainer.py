@@ -3,18 +3,18 @@
 `fit()` is the whole run: for each epoch, `train_epoch()` (micro-batches through
 DDP with `no_sync` on all but the last, one optimiser and schedule step each),
 then `validate()` over the whole val split (and of the weights' EMA, if on),
-then a checkpoint. Checkpoints also come every `checkpoint.every_steps` and
-when a signal asks every rank to stop; each holds enough (sampler position,
-every rank's RNG) to resume exactly. Rank 0 alone prints and logs; each
-node's first worker writes checkpoints, so every node can resume.
+and after every step and epoch the `Checkpointer` decides whether to save or
+stop. What a Trainer needs from its process (steps per epoch, the
+checkpointer with its stop request and store, the metrics sinks, the console)
+is handed in, so benches and tests build one without a worker around it.
 """
 
 from __future__ import annotations
 
-import signal
+import logging
+import math
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +27,17 @@ from ddp_cli.data.loaders import Loaders, requested, skipped_files
 from ddp_cli.data.transforms import to_model_input
 from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext
-from ddp_cli.distributed.signals import StopRequest, control_group
-from ddp_cli.errors import ConfigError, DataError, DdpError, DivergedError
+from ddp_cli.errors import ConfigError, DataError, DivergedError
 from ddp_cli.observe.console import RunConsole
-from ddp_cli.observe.sinks import build_sinks
-from ddp_cli.train import rng
-from ddp_cli.train.checkpoint import CheckpointStore
+from ddp_cli.observe.sinks import Sink
+from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.optim import build_optimizer
 from ddp_cli.train.precision import autocast, resolve_precision
 from ddp_cli.train.schedules import build_scheduler
+
+log = logging.getLogger("ddp")
 
 
 def count_steps(batches: int, cfg: TrainConfig) -> int:
@@ -95,44 +95,32 @@ def evaluate(
     return totals.reduce()
 
 
-@dataclass
-class RunState:
-    """What a checkpoint remembers besides the tensors."""
-
-    epoch: int = 0  # epochs completed
-    step: int = 0  # optimisation steps completed, all epochs
-    step_in_epoch: int = 0  # of the epoch under way (0 at an epoch boundary)
-    running: list[float] = field(default_factory=lambda: [0.0, 0.0])  # its loss sum, steps
-    best_top1: float = -1.0
-    history: list[dict[str, Any]] = field(default_factory=list)
-    final: dict[str, float] = field(default_factory=dict)
-    final_ema: dict[str, float] | None = None  # the EMA weights' validation, when on
-    skipped_files: list[str] = field(default_factory=list)  # bad files replaced under "skip"
-
-
 class Trainer:
-    def __init__(self, cfg: RunConfig, ctx: DistContext, loaders: Loaders, model: nn.Module,
-                 run_dir: Path, extra_state: dict[str, Any], console: RunConsole) -> None:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, model: nn.Module, loaders: Loaders,
+                 steps_per_epoch: int, checkpointer: Checkpointer | None = None,
+                 metrics: Sink | None = None, console: RunConsole | None = None) -> None:
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
-        self.cfg, self.ctx, self.loaders, self.run_dir = cfg, ctx, loaders, run_dir
-        self.extra_state, self.console = extra_state, console
+        self.cfg, self.ctx, self.loaders, self.steps_per_epoch = cfg, ctx, loaders, steps_per_epoch
+        self.metrics, self.console = metrics, console or RunConsole(False)
         self.accum = cfg.train.grad_accum
         self.global_batch = ctx.world_size * cfg.data.batch_size * self.accum
-        self.steps_per_epoch = count_steps(len(loaders.train), cfg.train)
         model = place(model, cfg.model, ctx.device)
         self.ema = EmaModel(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-        self.model = replicate(model, cfg.distributed, ctx.device, self.steps_per_epoch * cfg.train.epochs)
+        self.model = replicate(model, cfg.distributed, ctx.device, steps_per_epoch * cfg.train.epochs)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.lr = cfg.optim.effective_lr(self.global_batch)
         self.optimizer = build_optimizer(cfg.optim, self.model.module, self.lr)
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.steps_per_epoch,
-                                         self.steps_per_epoch * cfg.train.epochs)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps_per_epoch,
+                                         steps_per_epoch * cfg.train.epochs)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.precision == "fp16")
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-        self.state = RunState()
-        self.metrics = build_sinks(cfg.logging, run_dir, cfg.model_dump(mode="json")) if ctx.is_main else None
-        self.store = CheckpointStore(run_dir / "checkpoints", cfg.checkpoint.keep_last)
-        self.stop = StopRequest(control_group(ctx.backend))
+        self.state = RunState(global_batch=self.global_batch)
+        self.running = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # the epoch's loss sum, steps
+        self.checkpointer = checkpointer or Checkpointer(None)
+        self.checkpointer.track(self.state, before_save=self.settle)
+        self.checkpointer.register(
+            model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+            ema=self.ema, rng=RankRngs(ctx.rank, ctx.world_size), optional=("ema",))
 
     def fit(self) -> dict[str, Any]:
         cfg, images_seen, train_seconds = self.cfg, 0, 0.0
@@ -146,21 +134,21 @@ class Trainer:
             ema_val = self.validate(module=self.ema.module) if self.ema else None
             bad = union_across_ranks(bad)  # distinct bad files met this epoch (train and val)
             self.state.skipped_files = sorted(bad.union(self.state.skipped_files))
-            skipped = len(bad)
             self.state.epoch, self.state.final, self.state.final_ema = epoch + 1, val, ema_val
-            self.state.step_in_epoch, self.state.running = 0, [0.0, 0.0]
+            self.state.step_in_epoch = self.state.samples_in_epoch = 0
+            self.running.zero_()
             row = {"epoch": epoch + 1, "train_loss": train_loss, "val_loss": val["loss"],
                    "top1": val["top1"], "top5": val["top5"], "seconds": seconds,
                    "images_per_second": self.steps_per_epoch * self.global_batch / seconds,
-                   "skipped": skipped, **({"ema_top1": ema_val["top1"]} if ema_val else {})}
+                   "skipped": len(bad), **({"ema_top1": ema_val["top1"]} if ema_val else {})}
             self.state.history.append(row)
             self.log({"split": "val", "epoch": epoch + 1, "step": self.state.step, **val,
                       "lr": self.optimizer.param_groups[0]["lr"], "image_size": cfg.data.train_size(epoch),
-                      "images_per_second": row["images_per_second"], "skipped_images": skipped})
+                      "images_per_second": row["images_per_second"], "skipped_images": len(bad)})
             if ema_val:
                 self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val})
             self.console.epoch_done(row)
-            self.stop_if(self.stop.agreed(), self.save(val))
+            self.checkpointer.after_step(top1=val["top1"])
         self.console.summary(self.state.history)
         return self.summary(images_seen / max(train_seconds, 1e-9))
 
@@ -170,10 +158,10 @@ class Trainer:
         Returns (mean train loss of all ranks, this rank's bad files).
         """
         start = self.state.step_in_epoch
-        self.loaders.train_sampler.set_epoch(epoch, skip=start * self.accum * self.cfg.data.batch_size)
+        self.loaders.train_sampler.set_epoch(epoch, skip=self.state.samples_in_epoch)
         self.model.train()
         batches = iter(self.loaders.train)
-        running = torch.tensor(self.state.running, dtype=torch.float64, device=self.ctx.device)
+        self.running.copy_(torch.tensor(self.state.running, dtype=torch.float64))
         bad, window, every = set(), (start, time.perf_counter()), self.cfg.logging.every_steps
         lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:
@@ -182,52 +170,53 @@ class Trainer:
                 micro = [next(batches) for _ in range(self.accum)]
                 bad.update(path for b in micro for path in skipped_files(b[2]))
                 lrs.append(self.optimizer.param_groups[0]["lr"])
-                running += torch.stack([self.train_step(micro).double(), running.new_ones(())])
+                self.running += torch.stack([self.train_step(micro).double(), self.running.new_ones(())])
                 self.state.step, self.state.step_in_epoch = self.state.step + 1, step
+                self.state.samples_in_epoch += self.global_batch
                 if step % every == 0 or step == self.steps_per_epoch:
-                    loss = self.check_finite(running)
+                    loss = self.check_finite()
                     rate = (step - window[0]) * self.global_batch / (time.perf_counter() - window[1])
                     update(step, loss=loss, lr=lrs[-1], img_s=rate)
                     self.log({"split": "train", "epoch": epoch + 1, "step": self.state.step,
                               "loss": loss, "lr": lrs[-1], "lrs": lrs, "images_per_second": rate})
                     window, lrs = (step, time.perf_counter()), []
-                if step < self.steps_per_epoch:
-                    self.checkpoint_mid_epoch(running)
+                if step < self.steps_per_epoch:  # the epoch's last step is saved after validation
+                    self.checkpointer.after_step()
+        running = self.running.clone()
         dist.all_reduce(running)
         return running[0].item() / max(running[1].item(), 1), bad
 
-    def checkpoint_mid_epoch(self, running: torch.Tensor) -> None:
-        """Every `checkpoint.every_steps`, and when a signal asks every rank to stop (then exit)."""
-        signum = self.stop.agreed()
-        every = self.cfg.checkpoint.every_steps
-        if signum or (every and self.state.step % every == 0):
-            self.check_finite(running)  # never checkpoint diverged weights
-            self.state.running = running.tolist()
-            self.stop_if(signum, self.save())
-
-    def stop_if(self, signum: int, checkpoint: Path | None) -> None:
-        """End the run with 143/130 once the checkpoint of a signalled stop is written."""
-        if signum:
-            where = checkpoint or self.run_dir / "checkpoints"
-            raise DdpError(f"stopped by {signal.Signals(signum).name} after step {self.state.step}, "
-                           f"checkpoint {where}; the same command with --run-dir {self.run_dir} "
-                           "resumes it", StopRequest.exit_code(signum))
-
     def train_step(self, micro: list) -> torch.Tensor:
-        """Forward/backward each micro-batch (gradients synced on the last), then step."""
+        """Forward/backward each micro-batch (gradients synced on the last), then one optimiser step."""
         total = torch.zeros((), device=self.ctx.device)
-        for i, (images, labels, _skipped, errors) in enumerate(micro):
-            raise_bad_images(errors)
-            x = to_model_input(images, self.ctx.device, self.cfg.model.channels_last)
-            y = labels.to(self.ctx.device, non_blocking=True)
-            last = i == len(micro) - 1
-            with nullcontext() if last else self.model.no_sync():
-                with autocast(self.ctx.device, self.precision):
-                    loss = self.loss_fn(self.forward(x), y) / len(micro)
-                self.scaler.scale(loss).backward()
+        for i, batch in enumerate(micro):
+            with self.gradient_sync(i == len(micro) - 1):
+                loss = self.forward_loss(batch, len(micro))
+                self.backward(loss)
             total += loss.detach().float()
+        self.optimizer_step()
+        return total
+
+    def gradient_sync(self, sync: bool) -> AbstractContextManager:
+        """DDP all-reduces gradients during backward only when `sync` (the last micro-batch)."""
+        return nullcontext() if sync else self.model.no_sync()
+
+    def forward_loss(self, batch: tuple, parts: int = 1) -> torch.Tensor:
+        """The loss of one (micro-)batch, divided by the micro-batches that make the step."""
+        images, labels, _skipped, errors = batch
+        raise_bad_images(errors)
+        x = to_model_input(images, self.ctx.device, self.cfg.model.channels_last)
+        y = labels.to(self.ctx.device, non_blocking=True)
+        with autocast(self.ctx.device, self.precision):
+            return self.loss_fn(self.forward(x), y) / parts
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def optimizer_step(self) -> None:
+        """Clip (true, unscaled gradients), step through the scaler, schedule, and update the EMA."""
         if self.cfg.optim.grad_clip:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
+            self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -235,15 +224,19 @@ class Trainer:
         self.scheduler.step()
         if self.ema:
             self.ema.update(self.model.module)
-        return total
 
-    def check_finite(self, running: torch.Tensor) -> float:
-        """Mean loss so far; a non-finite one ends the run (exit 4), keeping the last checkpoint."""
-        loss = (running[0] / running[1].clamp(min=1)).item()
-        if loss != loss or loss in (float("inf"), float("-inf")):
+    def check_finite(self) -> float:
+        """The epoch's mean loss so far; non-finite ends the run (exit 4), keeping the last checkpoint."""
+        loss = (self.running[0] / self.running[1].clamp(min=1)).item()
+        if not math.isfinite(loss):
             raise DivergedError(f"training diverged at step {self.state.step} (loss {loss}); "
                                 "lower optim.lr or add schedule.warmup_epochs")
         return loss
+
+    def settle(self) -> None:
+        """Before any checkpoint: never diverged weights; the running loss into the run state."""
+        self.check_finite()
+        self.state.running = self.running.tolist()
 
     def validate(self, bad: set[str] | None = None, module: nn.Module | None = None) -> dict[str, float]:
         """Evaluate rank 0's replica (or its EMA): its BatchNorm statistics are the ones checkpointed."""
@@ -253,61 +246,47 @@ class Trainer:
         return evaluate(module, self.loaders.val, self.ctx.device,
                         self.precision, self.cfg.model.channels_last, bad)
 
-    def save(self, val: dict[str, float] | None = None):
-        """A checkpoint of this step (after validation at epoch ends, `val` then set).
-
-        Every rank's RNG states are gathered; each node's first worker writes
-        (step file, last.pt, and best.pt when top-1 improves). Returns its path.
-        """
-        best = val is not None and val["top1"] > self.state.best_top1
-        if val is not None:
-            self.state.best_top1 = max(self.state.best_top1, val["top1"])
-        rngs: list[dict[str, Any] | None] = [None] * self.ctx.world_size
-        dist.all_gather_object(rngs, rng.capture())
-        if self.ctx.local_rank != 0:
-            return None
-        state = {
-            "model": self.model.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "ema": self.ema.state_dict() if self.ema else None,
-            "epoch": self.state.epoch,
-            "step": self.state.step,
-            "step_in_epoch": self.state.step_in_epoch,
-            "running": self.state.running,
-            "best_top1": self.state.best_top1,
-            "history": self.state.history,
-            "skipped_files": self.state.skipped_files,
-            "final": self.state.final,
-            "final_ema": self.state.final_ema,
-            "rng": rngs,
-            **self.extra_state,
-        }
-        info = {"epoch": self.state.epoch, "step": self.state.step,
-                "step_in_epoch": self.state.step_in_epoch, "top1": val["top1"] if val else None}
-        return self.store.save(state, info, best)
-
-    def resume(self, state: dict[str, Any]) -> None:
-        """Continue exactly where a checkpoint left off, mid-epoch included."""
-        try:
-            self.model.module.load_state_dict(state["model"])
-        except RuntimeError as e:
-            raise ConfigError(f"resume: the checkpoint holds another model or class count than "
-                              f"model.name = {self.cfg.model.name!r} ({str(e).splitlines()[0]}); "
-                              "use --resume never or a new --run-dir") from e
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        if self.ema and state.get("ema"):
-            self.ema.load_state_dict(state["ema"])
-        elif self.ema:  # the run had no EMA so far: average from here on
+    def resume(self, path: str | Path) -> None:
+        """Continue exactly where a checkpoint left off, mid-epoch included; at another world size,
+        follow the new global batch (`follow_world_size`)."""
+        saved = self.checkpointer.load(path)
+        if self.ema and saved.get("ema") is None:  # the run had no EMA so far: average from here on
             self.ema.restart(self.model.module)
-        self.state = RunState(state["epoch"], state["step"], state["step_in_epoch"], state["running"],
-                              state["best_top1"], state["history"], state["final"],
-                              state.get("final_ema"), state.get("skipped_files", []))
-        if len(state["rng"]) == self.ctx.world_size:  # another world size cannot replay the same draws
-            rng.restore(state["rng"][self.ctx.rank])
+        saved_world = len(saved["rng"])
+        saved_batch = saved.get("global_batch") or saved_world * self.cfg.data.batch_size * self.accum
+        if not saved.get("samples_in_epoch"):  # written before the field existed
+            self.state.samples_in_epoch = self.state.step_in_epoch * saved_batch
+        if saved_world != self.ctx.world_size or saved_batch != self.global_batch:
+            self.follow_world_size(path, saved_world, saved_batch)
+        self.state.global_batch = self.global_batch
+
+    def follow_world_size(self, path: str | Path, saved_world: int, saved_batch: int) -> None:
+        """Resume a checkpoint written at another world size (a node lost or added).
+
+        The per-rank batch stays; the global batch follows the world size. The peak
+        LR follows it by the lr_per_256 rule (an absolute optim.lr stays), the
+        schedule continues at the same fraction of the run in epochs, and the rest
+        of the epoch's permutation is dealt over the new ranks (its last partial
+        step dropped, as drop_last does). `checkpoint.on_world_size_change =
+        "refuse"` makes this an error instead.
+        """
+        change = (f"{path} was written at world size {saved_world} (global batch {saved_batch}); this "
+                  f"run has world size {self.ctx.world_size} (global batch {self.global_batch})")
+        if self.cfg.checkpoint.on_world_size_change == "refuse":
+            raise ConfigError(f"resume: {change}, and checkpoint.on_world_size_change = \"refuse\"; run "
+                              f"{saved_world} workers in all, or set it to \"rescale\"")
+        ratio = self.lr / self.cfg.optim.effective_lr(saved_batch)
+        self.state.step_in_epoch = math.ceil(self.state.samples_in_epoch / self.global_batch)
+        position = self.state.epoch * self.steps_per_epoch + self.state.step_in_epoch
+        self.scheduler.base_lrs = [base * ratio for base in self.scheduler.base_lrs]
+        self.scheduler.last_epoch = position
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                       self.scheduler.lr_lambdas, strict=True):
+            group["initial_lr"], group["lr"] = base, base * factor(position)
+        if self.ctx.is_main:
+            log.info(f"resume: {change}: peak LR {self.lr / ratio:.6g} -> {self.lr:.6g}, schedule at "
+                     f"step {position} of {self.steps_per_epoch * self.cfg.train.epochs} (epoch "
+                     f"{self.state.epoch + 1}, step {self.state.step_in_epoch} of {self.steps_per_epoch})")
 
     def summary(self, images_per_second: float) -> dict[str, Any]:
         last = self.state.history[-1] if self.state.history else {}

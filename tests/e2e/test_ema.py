@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from replicas import make_config, make_trainer, step_replica, weights
 from torch import nn
 
 from ddp_cli.run.loopback import run_workers
-from ddp_cli.train.checkpoint import load_checkpoint
+from ddp_cli.train.checkpoint import load_checkpoint, save_checkpoint
 from ddp_cli.train.ema import EmaModel
 
 
@@ -61,13 +63,14 @@ def train_save_resume(rank: int, world_size: int, folder: str) -> dict:
     for step in range(3):
         step_replica(trainer, rank, world_size, step)
         lives.append(weights(trainer))
-    trainer.save({"top1": 0.5, "loss": 1.0, "top5": 1.0, "images": 1})
+    trainer.checkpointer.save(top1=0.5)
     trainer.close()
     state = load_checkpoint(f"{folder}/checkpoints/last.pt")
     resumed = make_trainer(rank, world_size, make_config(EMA), 3, folder)
-    resumed.resume(state)
+    resumed.resume(f"{folder}/checkpoints/last.pt")
+    save_checkpoint({**state, "ema": None}, Path(folder) / "no-ema.pt")  # from a run that had no EMA
     without = make_trainer(rank, world_size, make_config(EMA), 3, folder)
-    without.resume({**state, "ema": None})  # a checkpoint from a run that had no EMA
+    without.resume(Path(folder) / "no-ema.pt")
     return {"lives": lives, "ema": {k: v.clone() for k, v in trainer.ema.module.state_dict().items()},
             "saved": state["ema"], "resumed": resumed.ema.state_dict(),
             "restarted": without.ema.state_dict(), "model": state["model"]}
