@@ -32,8 +32,10 @@ SKIP_ATTEMPTS = 16
 class ShardSampler(Sampler[int]):
     """Rank `rank`'s share of [0, n): shuffled per epoch (train) or in order (val).
 
-    `set_epoch(epoch, skip)` resumes mid-epoch: the first `skip` indices of this
-    rank's share (already trained on) are left out. With `with_epoch` it yields
+    `set_epoch(epoch, skip)` resumes mid-epoch: the first `skip` positions of the
+    epoch's permutation (already trained on, by all ranks together) are left out
+    and the rest dealt as before, whatever the world size that consumed them.
+    With `with_epoch` it yields
     `(index, epoch)` pairs for `EpochItems`.
     """
 
@@ -56,7 +58,7 @@ class ShardSampler(Sampler[int]):
         return order[: self.n - self.n % self.world_size].tolist()  # equal shares, no repeats
 
     def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
-        mine = self._order()[self.rank :: self.world_size][self.skip :]
+        mine = self._order()[self.skip :][self.rank :: self.world_size]
         return ((i, self.epoch) for i in mine) if self.with_epoch else iter(mine)
 
     def __len__(self) -> int:
@@ -66,9 +68,11 @@ class ShardSampler(Sampler[int]):
 
 
 def fetch(reader: FileReader, path: str) -> EncodedImage:
-    """Read a file and its image header; `BadImage` if it is missing or unreadable."""
+    """Read a file and its image header; `BadImage` if it is missing, unreadable or unsafe."""
     try:
         return open_image(reader.read(path))
+    except UnsafePath as e:
+        raise BadImage(str(e)) from e
     except FileNotFoundError as e:
         raise BadImage("missing file") from e
     except OSError as e:  # local I/O errors; remote ones arrive as DataError
