@@ -69,3 +69,19 @@ def test_val_shards_cover_every_index_exactly_once(n, world):
 
 def test_val_shards_ignore_epoch():
     assert shards(359, 3, shuffle=False, epoch=0) == shards(359, 3, shuffle=False, epoch=4)
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 3), (4, 2), (2, 2)])
+def test_a_mid_epoch_skip_continues_the_permutation_at_another_world_size(before, after):
+    """`skip` counts positions consumed by all ranks, so new ranks get exactly the unseen rest."""
+    n, consumed = 101, 36
+    seen = {i for part in shards(n, before, True, epoch=3, seed=7) for i in part[: consumed // before]}
+    assert len(seen) == consumed
+    rest = []
+    for rank in range(after):
+        sampler = ShardSampler(n, rank, after, shuffle=True, seed=7)
+        sampler.set_epoch(3, skip=consumed)
+        rest.append(list(sampler))
+    flat = [i for part in rest for i in part]
+    assert not seen & set(flat)  # nothing seen before comes again
+    assert len(flat) == len(set(flat)) == n - n % after - consumed  # and nothing unseen is lost
