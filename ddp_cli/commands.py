@@ -27,10 +27,11 @@ from ddp_cli.train.checkpoint import load_checkpoint
 def resolve_dataset(
     cfg: RunConfig, registry: str | None, classes: list[str] | None = None, splits=("train", "val")
 ) -> tuple[DatasetEntry, IndexTable]:
-    """Registry entry and index table (built once per run, here in the launcher)."""
+    """Registry entry and index table (built once per run, here in the launcher: a row naming an
+    unsafe path stops the run here under on_bad_image = "error", before any worker starts)."""
     entry = load_registry(registry).get(cfg.data.dataset)
     fs, root = entry.open()
-    index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits)
+    index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image)
     for split, frame in index.splits.items():
         if frame.empty:
             raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "

@@ -1,7 +1,10 @@
 """The data set registry: a DataSets.jl-style `data.toml`, resolved to fsspec roots.
 
 Search order: `--registry`, `$DDP_DATA_TOML`, `./data.toml`. Relative paths
-resolve against the registry file's folder; `~` and `$VARS` expand.
+resolve against the registry file's folder; `~` and `$VARS` expand. DataSets.jl's
+own files load as they are (FluxDistributed.jl's `Data.toml`): version 0,
+`storage.type` (a Julia type) dropped, no `layout` (then "auto": looked up in
+the root when the data set is opened).
 """
 
 from __future__ import annotations
@@ -14,22 +17,43 @@ from pathlib import Path
 from typing import Any, Literal
 
 import fsspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ddp_cli.config import describe_validation_error
+from ddp_cli.data.layouts import LAYOUTS, infer_layout
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 
-LAYOUTS = ("imagenet-loc", "imagefolder")
+DRIVERS = ("FileSystem", "S3")
+AUTO = "auto"
+VERSIONS = (0, 1)  # DataSets.jl's data_config_version; both read the same
+
+
+def one_of(value: str, known: tuple[str, ...] | list[str], what: str) -> str:
+    """`value` if it is known; else the error names what was found and what is known."""
+    if value not in known:
+        raise ValueError(f"unknown {what} {value!r}; known: {', '.join(known)}")
+    return value
 
 
 class Storage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    driver: Literal["FileSystem", "S3"] = Field(description="Where the root lives.")
+    driver: str = Field(description="Where the root lives: FileSystem or S3.")
     path: str = Field(description="Local folder, or s3://bucket/prefix.")
     endpoint_url: str | None = Field(None, description="S3: an S3-compatible endpoint.")
     region: str | None = Field(None, description="S3: the bucket's region.")
     profile: str | None = Field(None, description="S3: a named AWS profile.")
     anon: bool = Field(False, description="S3: anonymous access (public buckets).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def drop_julia_type(cls, data: Any) -> Any:
+        """DataSets.jl's `type` ("Blob", "BlobTree") names the Julia object to build: nothing for us."""
+        return {k: v for k, v in data.items() if k != "type"} if isinstance(data, dict) else data
+
+    @field_validator("driver")
+    @classmethod
+    def known_driver(cls, driver: str) -> str:
+        return one_of(driver, DRIVERS, "driver")
 
 
 class DatasetEntry(BaseModel):
@@ -37,13 +61,26 @@ class DatasetEntry(BaseModel):
     name: str = Field(description="The name run configs use.")
     uuid: uuidlib.UUID | None = Field(None, description="A stable identity, as in DataSets.jl.")
     description: str = Field("", description="One line for `ddp datasets list`.")
-    layout: Literal["imagenet-loc", "imagefolder"] = Field(description="How files are arranged.")
+    layout: str = Field(AUTO, description="How files are arranged: imagenet-loc or imagefolder; "
+                        "auto (the default) looks at the root when the data set is opened.")
     generator: Literal["sklearn-digits"] | None = Field(
         None, description="Build the root offline on first use from data a package ships."
     )
     storage: Storage
 
+    @field_validator("layout")
+    @classmethod
+    def known_layout(cls, layout: str) -> str:
+        return one_of(layout, [AUTO, *LAYOUTS], "layout")
+
     def open(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        """The filesystem and root path; settles `layout = "auto"` from what the root holds."""
+        fs, root = self._root()
+        if self.layout == AUTO:
+            self.layout = infer_layout(fs, root)
+        return fs, root
+
+    def _root(self) -> tuple[fsspec.AbstractFileSystem, str]:
         """The filesystem and root path; builds a generated data set on first use."""
         if self.storage.driver == "S3":
             from ddp_cli.data.storage import s3_filesystem
@@ -95,8 +132,8 @@ def load_registry(explicit: str | Path | None = None) -> Registry:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: TOML syntax error: {e}") from e
     version = raw.get("data_config_version")
-    if version != 1:
-        raise ConfigError(f"{path}: data_config_version must be 1 (found {version!r})")
+    if type(version) is not int or version not in VERSIONS:  # not `true`, not 1.0
+        raise ConfigError(f"{path}: data_config_version must be 0 or 1 (found {version!r})")
     unknown = set(raw) - {"data_config_version", "datasets"}
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key {sorted(unknown)[0]!r}; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,29 @@ def write_registry(folder: Path, entries: list[dict]) -> Path:
     path = folder / "data.toml"
     path.write_text(tomli_w.dumps({"data_config_version": 1, "datasets": entries}))
     return path
+
+
+def write_julia_registry(folder: Path, roots: dict[str, Path]) -> Path:
+    """A `Data.toml` written as FluxDistributed.jl's is: DataSets.jl version 0, `storage.type`, no layout."""
+    path = folder / "Data.toml"
+    path.write_text("data_config_version=0\n" + "".join(f"""
+[[datasets]]
+description="{name} as the Julia seeds register it"
+name="{name}"
+uuid="{uuid.uuid5(uuid.NAMESPACE_URL, name)}"
+
+    [datasets.storage]
+    driver="FileSystem"
+    type="BlobTree"
+    path="{root}"
+""" for name, root in roots.items()))
+    return path
+
+
+def append_line(path: Path, line: str) -> None:
+    """One more row at the end of a listing or CSV (which ends with a newline)."""
+    with path.open("a") as f:
+        f.write(line + "\n")
 
 
 def image(seed: int, label: int, size: int = 40, mode: str = "RGB") -> Image.Image:

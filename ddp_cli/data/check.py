@@ -1,8 +1,9 @@
 """`ddp datasets check`: read and decode every file of a split; report every bad one and why.
 
 Reasons: "missing file" (named in the listing or CSV, absent from the root),
-"unreadable (...)", "not an image", "truncated", "corrupt (...)", and
-"unknown synset" (a CSV row whose class is not in the synset mapping). Files
+"unreadable (...)", "not an image", "truncated", "corrupt (...)", "unknown
+synset" (a CSV row whose class is not in the synset mapping), and "unsafe path
+(...)" (a listed name that is absolute or climbs out of its folder: never read). Files
 are read through the same reader and decoded by the same decoder as in
 training, so what check passes, training reads; JPEGs are decoded at 1/8 scale,
 which still runs the whole entropy-coded stream (where truncation and

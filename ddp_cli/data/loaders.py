@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ddp_cli.config import DataConfig
 from ddp_cli.data.images import BadImage, EncodedImage, open_image
 from ddp_cli.data.layouts import IndexTable
-from ddp_cli.data.storage import FileReader
+from ddp_cli.data.storage import FileReader, UnsafePath
 from ddp_cli.data.transforms import TrainTransform, ValTransform
 from ddp_cli.errors import DataError
 

@@ -13,7 +13,9 @@ name a profile, never a key. What fsspec leaves to us:
 - fsspec's simplecache downloads straight into the cache file, so another
   process (or the next run, after an interrupt) can read a half-written
   file and call the image truncated; our cache writes a temporary file and
-  renames it, so a cached file is always whole.
+  renames it, so a cached file is always whole;
+- fsspec joins whatever path it is given: `FileReader` refuses a path that
+  could leave the root (or the cache folder), whatever the index holds.
 """
 
 from __future__ import annotations
@@ -26,8 +28,22 @@ import fsspec
 
 from ddp_cli.errors import DataError
 
+UNSAFE_PATH = "unsafe path (absolute, or .. out of its folder)"
 CREDENTIALS_HELP = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage.profile "
                     "(or anon = true for a public bucket)")
+
+
+class UnsafePath(ValueError):
+    """A path under the root that is absolute or has a `..` component: never read."""
+
+
+def escapes(path: str) -> bool:
+    """Whether `path` is absolute or has a `..` component.
+
+    Index paths are normalised (`layouts` keeps a listed name's `..` only when it
+    climbs out of its folder), so such a path is always a listing trying to leave.
+    """
+    return path.startswith("/") or ".." in path.split("/")
 
 
 def storage_error(e: Exception, where: str) -> DataError | None:
@@ -94,7 +110,10 @@ class FileReader:
 
     def read(self, path: str) -> bytes:
         """The bytes of `root/path`; FileNotFoundError if missing, OSError for local I/O errors,
-        DataError for remote storage failures (credentials, access, network)."""
+        DataError for remote storage failures (credentials, access, network), UnsafePath
+        if `path` could leave the root."""
+        if escapes(path):
+            raise UnsafePath(UNSAFE_PATH)
         local = self.cache / path if self.cache else None
         if local is not None and local.is_file():
             return local.read_bytes()

@@ -12,8 +12,8 @@ import pytest
 from synthetic import make_imagefolder, make_imagenet_loc
 
 from ddp_cli.data import demo
-from ddp_cli.data.layouts import LOC_TRAIN_LIST, IndexTable, build_index
-from ddp_cli.errors import ConfigError
+from ddp_cli.data.layouts import LOC_TRAIN_LIST, IndexTable, build_index, infer_layout
+from ddp_cli.errors import ConfigError, DataError
 
 FS = fsspec.filesystem("file")
 
@@ -221,3 +221,44 @@ def test_index_table_save_load_round_trip(tmp_path):
     for split in ("train", "val"):
         pd.testing.assert_frame_equal(loaded.splits[split], index.splits[split])
     assert len(loaded.splits["train"]) == 6
+
+
+def test_unknown_layout_is_a_config_error_naming_it_and_the_known_ones(tmp_path):
+    make_imagefolder(tmp_path)
+    with pytest.raises(ConfigError, match=r"layout 'coco' is unknown; known layouts: imagenet-loc, "
+                                          r"imagefolder$") as info:
+        build_index(FS, str(tmp_path), "coco")
+    assert info.value.exit_code == 2
+
+
+@pytest.mark.parametrize(("make", "layout"), [(make_imagenet_loc, "imagenet-loc"),
+                                              (make_imagefolder, "imagefolder")])
+def test_infer_layout_from_the_root(tmp_path, make, layout):
+    make(tmp_path)
+    assert infer_layout(FS, str(tmp_path)) == layout
+
+
+def test_infer_layout_wants_both_imagefolder_splits(tmp_path):
+    (tmp_path / "train" / "class_0").mkdir(parents=True)
+    with pytest.raises(DataError, match="cannot tell its layout"):
+        infer_layout(FS, str(tmp_path))
+
+
+@pytest.mark.parametrize(("header", "missing"), [("ImageId,Boxes", "PredictionString"),
+                                                 ("Id,PredictionString", "ImageId")])
+def test_val_solution_without_a_column_is_a_data_error_naming_file_and_column(tmp_path, header, missing):
+    make_imagenet_loc(tmp_path, classes=2, train_per_class=1, val=2)
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_text(header + "\n" + "".join(csv.read_text().splitlines(True)[1:]))
+    with pytest.raises(DataError, match=rf"LOC_val_solution\.csv: no {missing} column \(found "
+                                        rf"{header.replace(',', ', ')}\); its header must be "
+                                        r"ImageId,PredictionString") as info:
+        build_index(FS, str(tmp_path), "imagenet-loc")
+    assert str(csv) in str(info.value) and info.value.exit_code == 3
+
+
+def test_empty_val_solution_is_a_data_error_naming_the_file(tmp_path):
+    make_imagenet_loc(tmp_path, classes=2, train_per_class=1, val=2)
+    (tmp_path / "LOC_val_solution.csv").write_text("")
+    with pytest.raises(DataError, match=r"LOC_val_solution\.csv: not a CSV"):
+        build_index(FS, str(tmp_path), "imagenet-loc")

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from synthetic import write_registry
+from synthetic import make_imagefolder, make_imagenet_loc, write_julia_registry, write_registry
 
+from ddp_cli.data.layouts import LAYOUTS, build_index
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.registry import find_registry, load_registry
 
@@ -139,9 +140,11 @@ BAD_REGISTRIES = {
         [entry("v", "$DDP_SURELY_UNSET_VAR/imagenet")],
         r"\('v'\): storage\.path: environment variable \$DDP_SURELY_UNSET_VAR is not set"),
     "driver": (
-        [entry("d", storage={"driver": "NFS"})], r"datasets\[0\] \('d'\): storage\.driver: "),
+        [entry("d", storage={"driver": "GCS"})],
+        r"datasets\[0\] \('d'\): storage\.driver: unknown driver 'GCS'; known: FileSystem, S3$"),
     "layout": (
-        [entry("l", layout="coco")], r"datasets\[0\] \('l'\): layout: "),
+        [entry("l", layout="coco")],
+        r"datasets\[0\] \('l'\): layout: unknown layout 'coco'; known: auto, imagenet-loc, imagefolder$"),
     "uuid": (
         [entry("u", uuid="not-a-uuid")], r"\('u'\): uuid: "),
     "s3-path": (
@@ -165,13 +168,61 @@ def test_bad_entries_raise_config_error_naming_the_file(isolated, case):
     assert info.value.exit_code == 2
 
 
-@pytest.mark.parametrize("header", ["data_config_version = 2\n", "", 'data_config_version = "1"\n'])
+ONE_ENTRY = ('[[datasets]]\nname = "a"\nlayout = "imagefolder"\n'
+             '[datasets.storage]\ndriver = "FileSystem"\npath = "x"\n')
+
+
+@pytest.mark.parametrize("header", ["data_config_version = 2\n", "", 'data_config_version = "1"\n',
+                                    "data_config_version = -1\n", "data_config_version = true\n",
+                                    "data_config_version = 1.0\n"])
 def test_wrong_data_config_version(isolated, header):
-    path = write_raw(isolated, header + '[[datasets]]\nname = "a"\nlayout = "imagefolder"\n'
-                     '[datasets.storage]\ndriver = "FileSystem"\npath = "x"\n')
-    with pytest.raises(ConfigError, match="data_config_version must be 1") as info:
+    path = write_raw(isolated, header + ONE_ENTRY)
+    with pytest.raises(ConfigError, match="data_config_version must be 0 or 1") as info:
         load_registry(path)
     assert str(path.resolve()) in str(info.value)
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_data_config_versions_0_and_1_load(isolated, version):
+    path = write_raw(isolated, f"data_config_version = {version}\n" + ONE_ENTRY)
+    assert load_registry(path).get("a").layout == "imagefolder"
+
+
+def test_julia_seed_registry_loads_with_its_type_dropped_and_layout_auto(isolated):
+    path = write_julia_registry(isolated, {"imagenet": Path("/home/someone/imagenet")})
+    dataset = load_registry(path).get("imagenet")
+    assert dataset.layout == "auto"
+    assert dataset.storage.model_dump(exclude_none=True) == {
+        "driver": "FileSystem", "path": "/home/someone/imagenet", "anon": False}
+    assert dataset.uuid is not None and dataset.description.startswith("imagenet")
+
+
+@pytest.mark.parametrize(("make", "layout"), [(make_imagenet_loc, "imagenet-loc"),
+                                              (make_imagefolder, "imagefolder")])
+def test_auto_layout_is_settled_when_the_root_is_opened(isolated, make, layout):
+    make(isolated / "root")
+    dataset = load_registry(write_julia_registry(isolated, {"d": isolated / "root"})).get("d")
+    fs, root = dataset.open()
+    assert dataset.layout == layout
+    assert build_index(fs, root, dataset.layout).splits["train"].shape[0] > 0
+
+
+def test_auto_layout_of_an_unrecognised_root_is_a_data_error_naming_it(isolated):
+    (isolated / "root" / "images").mkdir(parents=True)
+    dataset = load_registry(write_julia_registry(isolated, {"d": isolated / "root"})).get("d")
+    with pytest.raises(DataError, match=r"root: cannot tell its layout: neither LOC_synset_mapping\.txt "
+                                        r"\(imagenet-loc\) nor train/ and val/ folders") as info:
+        dataset.open()
+    assert str(isolated / "root") in str(info.value) and info.value.exit_code == 3
+
+
+def test_registry_layouts_are_the_layouts_mapping(isolated, monkeypatch):
+    """One list of layouts: a new mapping entry is a layout the registry accepts."""
+    path = write_registry(isolated, [entry(name, layout=name) for name in LAYOUTS])
+    assert [d.layout for d in load_registry(path).datasets] == list(LAYOUTS)
+    monkeypatch.setitem(LAYOUTS, "shards", lambda fs, root, splits: None)
+    path = write_registry(isolated, [entry("s", layout="shards")])
+    assert load_registry(path).get("s").layout == "shards"
 
 
 @pytest.mark.parametrize("body", ["datasets = 3\n", 'datasets = "demo"\n', "datasets = [1]\n"])
