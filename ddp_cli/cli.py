@@ -132,7 +132,7 @@ def train(
     opts = with_environment(LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id,
                                           max_restarts))
     if dry_run:
-        result = commands.plan(config, set_ or [], registry, opts)
+        result = commands.plan(config, set_ or [], registry, opts, resume)
         emit(result, as_json, lambda: print_mapping("plan", result))
         return
     result = commands.train(config, set_ or [], registry, run_dir, opts, resume, quiet or as_json)

@@ -1,4 +1,4 @@
-"""What each command does, without Typer: resolve inputs, launch workers, return results."""
+"""What each command does, without Typer: resolve inputs, check them (preflight), launch workers."""
 
 from __future__ import annotations
 
@@ -9,17 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
 
 from ddp_cli.config import RunConfig, config_from_dict, load_config
 from ddp_cli.data.layouts import IndexTable, build_index
 from ddp_cli.distributed.setup import setup
 from ddp_cli.errors import ConfigError, WorkerFailed
-from ddp_cli.models import check_model
 from ddp_cli.plan import describe
+from ddp_cli.preflight import Preflight, joined_workers, launch_workers, preflight, validation_workers
 from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.jobs import Job, prepare_job, read_result
-from ddp_cli.run.launch import LaunchOptions, external_launcher, launch, resolve_nproc
+from ddp_cli.run.launch import LaunchOptions, external_launcher, launch
 from ddp_cli.run.worker import run_job
 from ddp_cli.train.checkpoint import load_checkpoint
 
@@ -39,27 +38,15 @@ def resolve_dataset(
     return entry, index
 
 
-def checked_model(cfg: RunConfig, index: IndexTable) -> nn.Module:
-    """Prove the model fits the run before any worker starts (`models.check_model`).
-
-    `model.weights` becomes absolute: workers and later resumes may start elsewhere.
-    """
-    if cfg.model.weights:
-        cfg.model.weights = str(Path(cfg.model.weights).expanduser().resolve())
-    return check_model(cfg, len(index.classes))
-
-
 def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def checked_resume(resume: str) -> str:
-    """auto | never | an existing checkpoint (made absolute); the workers resolve `auto`."""
-    if resume in ("auto", "never"):
-        return resume
-    if not Path(resume).is_file():
-        raise ConfigError(f"--resume {resume}: no such checkpoint; use auto, never or a .pt path")
-    return str(Path(resume).resolve())
+def prepare_run(run: Preflight, run_dir: Path | None, quiet: bool) -> Path:
+    """The run directory, holding everything the workers need (`jobs.prepare_job`)."""
+    folder = (run_dir or default_run_dir(run.cfg)).resolve()
+    prepare_job(folder, run.cfg, run.entry, run.index, Job("train", quiet, resume=run.resume))
+    return folder
 
 
 def train(config: Path, overrides: list[str], registry: str | None, run_dir: Path | None,
@@ -67,25 +54,20 @@ def train(config: Path, overrides: list[str], registry: str | None, run_dir: Pat
     cfg = load_config(config, overrides)
     if external_launcher():
         return train_under_torchrun(cfg, registry, run_dir, resume, quiet)
-    entry, index = resolve_dataset(cfg, registry)
-    checked_model(cfg, index)
-    run_dir = (run_dir or default_run_dir(cfg)).resolve()
-    nproc = resolve_nproc(opts, cfg.distributed)
-    prepare_job(run_dir, cfg, entry, index, Job("train", quiet, resume=checked_resume(resume)))
-    launch(run_dir, nproc, opts, cfg.distributed)
-    return read_result(run_dir)
+    run = preflight(cfg, registry, launch_workers(cfg, opts), resume)
+    folder = prepare_run(run, run_dir, quiet)
+    launch(folder, run.workers.nproc, opts, cfg.distributed)
+    return read_result(folder)
 
 
 def train_under_torchrun(cfg: RunConfig, registry: str | None, run_dir: Path | None,
                          resume: str, quiet: bool) -> dict[str, Any]:
-    """Started by an external torchrun: rank 0 prepares the run dir, every rank trains."""
+    """Started by an external torchrun: rank 0 checks and prepares the run dir, every rank trains."""
     ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
     folder = [None]
     if ctx.is_main:
-        entry, index = resolve_dataset(cfg, registry)
-        checked_model(cfg, index)
-        folder[0] = str((run_dir or default_run_dir(cfg)).resolve())
-        prepare_job(Path(folder[0]), cfg, entry, index, Job("train", quiet, resume=checked_resume(resume)))
+        run = preflight(cfg, registry, joined_workers(cfg, ctx), resume)
+        folder[0] = str(prepare_run(run, run_dir, quiet))
     dist.broadcast_object_list(folder, src=0)
     code = run_job(Path(folder[0]))
     if code:
@@ -93,15 +75,11 @@ def train_under_torchrun(cfg: RunConfig, registry: str | None, run_dir: Path | N
     return read_result(Path(folder[0])) if ctx.is_main else {}
 
 
-def plan(config: Path, overrides: list[str], registry: str | None,
-         opts: LaunchOptions) -> dict[str, Any]:
-    """--dry-run: everything `train` would do up to starting workers."""
+def plan(config: Path, overrides: list[str], registry: str | None, opts: LaunchOptions,
+         resume: str) -> dict[str, Any]:
+    """--dry-run: the checks `train` makes before starting workers, and the plan they computed."""
     cfg = load_config(config, overrides)
-    _, index = resolve_dataset(cfg, registry)
-    model = checked_model(cfg, index)
-    nproc = resolve_nproc(opts, cfg.distributed)
-    return describe(cfg, model, {s: len(f) for s, f in index.splits.items()}, len(index.classes),
-                    nproc, opts.nnodes)
+    return describe(preflight(cfg, registry, launch_workers(cfg, opts), resume))
 
 
 def validate(checkpoint: Path, config: Path | None, dataset: str | None, registry: str | None,
@@ -109,8 +87,10 @@ def validate(checkpoint: Path, config: Path | None, dataset: str | None, registr
     """Evaluate a checkpoint on the whole val split with any number of workers."""
     state = load_checkpoint(checkpoint)
     cfg = load_config(config) if config else config_from_dict(state["config"], str(checkpoint))
+    cfg.model.weights = None  # the checkpoint's weights are evaluated, not the run's starting point
     if batch_size:
         cfg.data.batch_size = batch_size
+    workers = validation_workers(cfg, len(state["classes"]), opts)
     if dataset or registry:
         cfg.data.dataset = dataset or cfg.data.dataset
         entry, index = resolve_dataset(cfg, registry, state["classes"], splits=("val",))
@@ -121,7 +101,7 @@ def validate(checkpoint: Path, config: Path | None, dataset: str | None, registr
     with tempfile.TemporaryDirectory(prefix="ddp-validate-") as tmp:
         job_dir = Path(tmp)
         prepare_job(job_dir, cfg, entry, index, Job("validate", quiet, str(Path(checkpoint).resolve())))
-        launch(job_dir, resolve_nproc(opts, cfg.distributed), opts, cfg.distributed)
+        launch(job_dir, workers.nproc, opts, cfg.distributed)
         return read_result(job_dir)
 
 

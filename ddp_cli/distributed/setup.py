@@ -28,16 +28,27 @@ class DistContext:
         return self.rank == 0
 
 
-def choose_backend(requested: str, cuda_devices: int, local_world_size: int) -> str:
-    """auto = nccl when every local worker has its own CUDA device, else gloo."""
-    if requested == "auto":
-        return "nccl" if cuda_devices >= local_world_size > 0 else "gloo"
-    if requested == "nccl" and cuda_devices < local_world_size:
-        raise ConfigError(
-            f"distributed.backend: nccl needs one CUDA device per worker ({local_world_size} "
-            f"workers, {cuda_devices} devices); use backend = \"gloo\" or fewer workers"
-        )
-    return requested
+def cuda_devices() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(requested: str, gpus: int, local_world_size: int) -> str:
+    """gloo, or nccl with one CUDA device per local worker; auto = nccl where GPUs are, else gloo.
+
+    The one rule for workers and GPUs, met by preflight and again by each worker:
+    auto on a node with fewer GPUs than workers is refused, not quietly run on CPU.
+    """
+    if requested == "gloo" or (requested == "auto" and not gpus):
+        return "gloo"
+    if local_world_size <= gpus:
+        return "nccl"
+    fewer = f"--nproc-per-node {gpus} or " if gpus else ""
+    raise ConfigError(
+        f"distributed.backend = {requested!r}: nccl needs one CUDA device per worker and this node has "
+        f"{gpus} for {local_world_size} workers; use {fewer}distributed.backend = \"gloo\" "
+        "to train on CPU"
+    )
 
 
 def choose_device(backend: str, local_rank: int) -> torch.device:
@@ -64,8 +75,7 @@ def setup(backend: str = "auto", timeout_s: int = 600) -> DistContext:
     """Join the process group described by torchrun's environment variables."""
     rank, world_size = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", 1)
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = choose_backend(backend, cuda, local_world)
+    backend = choose_backend(backend, cuda_devices(), local_world)
     device = choose_device(backend, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(threads_per_worker(local_world))

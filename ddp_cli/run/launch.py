@@ -17,13 +17,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
+from ddp_cli.distributed.setup import cuda_devices
 from ddp_cli.errors import INTERNAL, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
 from ddp_cli.run.jobs import clear_errors, first_error
 from ddp_cli.run.worker import LAUNCHED
@@ -89,18 +89,20 @@ def with_environment(opts: LaunchOptions, env: dict[str, str] | None = None) -> 
 
 
 def resolve_nproc(opts: LaunchOptions, cfg: DistributedConfig) -> int:
-    """--nproc-per-node, else the config; "auto" = one per visible GPU, else cpu_workers."""
+    """--nproc-per-node, else the config; "auto" = one per visible GPU, else cpu_workers.
+
+    Whether this node can hold that many is `choose_backend`'s rule (preflight).
+    """
     requested = opts.nproc_per_node or cfg.nproc_per_node
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "auto":
-        return gpus or cfg.cpu_workers
-    if gpus and requested > gpus and cfg.backend != "gloo":
-        raise ConfigError(f"--nproc-per-node {requested}: this node has {gpus} CUDA devices; use at "
-                          "most that many workers, or distributed.backend = \"gloo\" to train on CPU")
-    if cfg.backend == "nccl" and requested > gpus:
-        raise ConfigError(f"--nproc-per-node {requested}: backend nccl needs one CUDA device per "
-                          f"worker and this node has {gpus}")
+        return cuda_devices() or cfg.cpu_workers
     return requested
+
+
+def check_rendezvous(opts: LaunchOptions) -> None:
+    """Nodes can only meet at an endpoint they all know."""
+    if opts.nnodes > 1 and not opts.rdzv_endpoint:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
 
 
 def quiet_torch_logs() -> None:
@@ -115,9 +117,10 @@ def quiet_torch_logs() -> None:
 
 
 def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfig) -> None:
-    """Run the job on `nproc` local workers; raise `WorkerFailed` with the original exit code."""
-    if opts.nnodes > 1 and not opts.rdzv_endpoint:
-        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    """Run the job on `nproc` local workers; raise `WorkerFailed` with the original exit code.
+
+    The options were checked by preflight (`check_rendezvous`, `choose_backend`).
+    """
     hosts = opts.node_rank == 0  # node 0 hosts the rendezvous store; the others connect to it
     config = LaunchConfig(
         min_nodes=opts.nnodes,

@@ -27,7 +27,14 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list
     return groups
 
 
+def check_optimizer(cfg: OptimConfig) -> None:
+    """What torch would refuse only when the optimiser is built in a worker (preflight calls it)."""
+    if cfg.name == "sgd" and cfg.nesterov and not cfg.momentum:
+        raise ConfigError("optim.nesterov: needs optim.momentum > 0")
+
+
 def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    check_optimizer(cfg)
     groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_and_bias)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas))
@@ -35,6 +42,4 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float) -> torch.opti
         return Lamb(groups, lr=lr, betas=tuple(cfg.betas))
     if cfg.name == "lars":
         return Lars(groups, lr=lr, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient)
-    if cfg.nesterov and not cfg.momentum:
-        raise ConfigError("optim.nesterov: needs optim.momentum > 0")
     return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)

@@ -1,0 +1,135 @@
+"""Preflight: every rule a run must pass that its config and this machine decide.
+
+`preflight` meets them all before any worker starts, for `ddp train` and
+`ddp train --dry-run` alike (and on rank 0 under an external torchrun), so a
+config the dry run accepts is one the workers accept, and one it refuses is
+refused by `train` with the same line. Each rule stays a function beside its
+subject (`choose_backend`, `resolve_precision`, `check_optimizer`,
+`count_steps`, `check_model`, ...); a worker that meets a rule again calls the
+same function. `Preflight` keeps what the checks computed: `plan.describe`
+prints it, `commands.train` hands it to the workers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddp_cli.config import LoggingConfig, ModelConfig, RunConfig
+from ddp_cli.data.layouts import IndexTable
+from ddp_cli.distributed.setup import DistContext, choose_backend, cuda_devices
+from ddp_cli.errors import ConfigError
+from ddp_cli.models import check_model
+from ddp_cli.registry import DatasetEntry
+from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
+from ddp_cli.train.optim import check_optimizer
+from ddp_cli.train.precision import resolve_precision
+from ddp_cli.train.trainer import count_steps
+
+
+@dataclass(frozen=True)
+class Workers:
+    """The workers of a run: how many per node, on how many nodes, and what they compute on."""
+
+    nproc: int
+    nnodes: int
+    backend: str  # nccl | gloo
+    device: str  # cuda | cpu
+    precision: str  # fp32 | bf16 | fp16: "auto" made concrete for this node
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+@dataclass
+class Preflight:
+    """A run that passed every check, and what the checks computed on the way."""
+
+    cfg: RunConfig
+    entry: DatasetEntry
+    index: IndexTable
+    model: nn.Module  # on the meta device: real shapes, no memory
+    workers: Workers
+    resume: str  # auto | never | an absolute checkpoint path
+    steps_per_epoch: int
+    global_batch: int
+    lr: float
+
+
+def launch_workers(cfg: RunConfig, opts: LaunchOptions) -> Workers:
+    """The workers our own launch would start on this node."""
+    check_rendezvous(opts)
+    return place_workers(cfg, resolve_nproc(opts, cfg.distributed), opts.nnodes)
+
+
+def joined_workers(cfg: RunConfig, ctx: DistContext) -> Workers:
+    """The workers an external torchrun already started, this process among them."""
+    return place_workers(cfg, ctx.local_world_size, ctx.world_size // ctx.local_world_size)
+
+
+def place_workers(cfg: RunConfig, nproc: int, nnodes: int) -> Workers:
+    """Backend, device and precision of `nproc` workers on this node, as each worker will choose them."""
+    backend = choose_backend(cfg.distributed.backend, cuda_devices(), nproc)
+    device = "cuda" if backend == "nccl" else "cpu"
+    precision = resolve_precision(cfg.train.precision, torch.device(device))
+    return Workers(nproc, nnodes, backend, device, precision)
+
+
+def preflight(cfg: RunConfig, registry: str | None, workers: Workers, resume: str = "never") -> Preflight:
+    """Every check of a training run, cheapest first: the first failure is a ConfigError (exit 2)
+    or a DataError (exit 3), the same line whichever command met it."""
+    from ddp_cli.commands import resolve_dataset  # commands imports this module at its top
+
+    resume = checked_resume(resume)
+    check_optimizer(cfg.optim)
+    check_sync_batchnorm(cfg.model, workers.device)
+    check_sinks(cfg.logging)
+    entry, index = resolve_dataset(cfg, registry)
+    model = checked_model(cfg, len(index.classes))
+    global_batch = workers.world_size * cfg.data.batch_size * cfg.train.grad_accum
+    batches = len(index.splits["train"]) // workers.world_size // cfg.data.batch_size  # as a rank's loader
+    return Preflight(cfg, entry, index, model, workers, resume, count_steps(batches, cfg.train),
+                     global_batch, cfg.optim.effective_lr(global_batch))
+
+
+def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) -> Workers:
+    """What of preflight `ddp validate` meets: its workers, and a model that takes the val images."""
+    workers = launch_workers(cfg, opts)
+    check_model(cfg, num_classes)
+    return workers
+
+
+def checked_resume(resume: str) -> str:
+    """auto | never | an existing checkpoint (made absolute); the workers resolve `auto`."""
+    if resume in ("auto", "never"):
+        return resume
+    if not Path(resume).is_file():
+        raise ConfigError(f"--resume {resume}: no such checkpoint; use auto, never or a .pt path")
+    return str(Path(resume).resolve())
+
+
+def checked_model(cfg: RunConfig, num_classes: int) -> nn.Module:
+    """`check_model`, with `model.weights` made absolute: workers and later resumes may start elsewhere."""
+    if cfg.model.weights:
+        cfg.model.weights = str(Path(cfg.model.weights).expanduser().resolve())
+    return check_model(cfg, num_classes)
+
+
+def check_sync_batchnorm(cfg: ModelConfig, device: str) -> None:
+    """torch syncs BatchNorm on GPUs only: on CPU, DDP refuses SyncBatchNorm at any world size, even 1."""
+    if cfg.sync_batchnorm and device != "cuda":
+        raise ConfigError("model.sync_batchnorm: torch's SyncBatchNorm runs on CUDA only and these workers "
+                          "train on CPU (gloo); set model.sync_batchnorm = false (each worker then "
+                          "normalises with its own batch)")
+
+
+def check_sinks(cfg: LoggingConfig) -> None:
+    """W&B is an optional extra; without it rank 0 would fail as training starts."""
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb: the wandb package is not installed; "
+                          "pip install 'ddp-cli[wandb]' or remove [logging.wandb]")
