@@ -11,31 +11,23 @@ from typing import Any
 import torch.distributed as dist
 
 from ddp_cli.config import RunConfig, config_from_dict, load_config
-from ddp_cli.data.layouts import IndexTable, build_index
+from ddp_cli.data.layouts import build_index
 from ddp_cli.distributed.setup import setup
-from ddp_cli.errors import ConfigError, WorkerFailed
+from ddp_cli.errors import WorkerFailed
 from ddp_cli.plan import describe
-from ddp_cli.preflight import Preflight, joined_workers, launch_workers, preflight, validation_workers
+from ddp_cli.preflight import (
+    Preflight,
+    joined_workers,
+    launch_workers,
+    preflight,
+    resolve_dataset,
+    validation_workers,
+)
 from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.jobs import Job, prepare_job, read_result
 from ddp_cli.run.launch import LaunchOptions, external_launcher, launch
 from ddp_cli.run.worker import run_job
 from ddp_cli.train.checkpoint import load_checkpoint
-
-
-def resolve_dataset(
-    cfg: RunConfig, registry: str | None, classes: list[str] | None = None, splits=("train", "val")
-) -> tuple[DatasetEntry, IndexTable]:
-    """Registry entry and index table (built once per run, here in the launcher: a row naming an
-    unsafe path stops the run here under on_bad_image = "error", before any worker starts)."""
-    entry = load_registry(registry).get(cfg.data.dataset)
-    fs, root = entry.open()
-    index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image)
-    for split, frame in index.splits.items():
-        if frame.empty:
-            raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "
-                              "(check data.classes and the root)")
-    return entry, index
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -91,13 +83,9 @@ def validate(checkpoint: Path, config: Path | None, dataset: str | None, registr
     if batch_size:
         cfg.data.batch_size = batch_size
     workers = validation_workers(cfg, len(state["classes"]), opts)
-    if dataset or registry:
-        cfg.data.dataset = dataset or cfg.data.dataset
-        entry, index = resolve_dataset(cfg, registry, state["classes"], splits=("val",))
-    else:
-        entry = DatasetEntry.model_validate(state["dataset"])
-        fs, root = entry.open()
-        index = build_index(fs, root, entry.layout, state["classes"], splits=("val",))
+    cfg.data.dataset = dataset or cfg.data.dataset
+    stored = None if dataset or registry else DatasetEntry.model_validate(state["dataset"])
+    entry, index = resolve_dataset(cfg, registry, state["classes"], ("val",), stored)
     with tempfile.TemporaryDirectory(prefix="ddp-validate-") as tmp:
         job_dir = Path(tmp)
         prepare_job(job_dir, cfg, entry, index, Job("validate", quiet, str(Path(checkpoint).resolve())))

@@ -193,7 +193,8 @@ class CheckpointConfig(Section):
 
 class DistributedConfig(Section):
     backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto", description="auto = nccl when every worker has its own CUDA device, else gloo."
+        "auto", description="auto = nccl on a node with GPUs (one per worker; fewer GPUs than workers is "
+        "refused), gloo on a node without."
     )
     nproc_per_node: PositiveInt | Literal["auto"] = Field(
         "auto", description="Workers on this node; auto = one per visible GPU, else cpu_workers."

@@ -12,19 +12,19 @@ prints it, `commands.train` hands it to the workers.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ddp_cli.config import LoggingConfig, ModelConfig, RunConfig
-from ddp_cli.data.layouts import IndexTable
+from ddp_cli.config import ModelConfig, RunConfig
+from ddp_cli.data.layouts import IndexTable, build_index
 from ddp_cli.distributed.setup import DistContext, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.models import check_model
-from ddp_cli.registry import DatasetEntry
+from ddp_cli.observe.sinks import check_sinks
+from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
 from ddp_cli.train.optim import check_optimizer
 from ddp_cli.train.precision import resolve_precision
@@ -83,8 +83,6 @@ def place_workers(cfg: RunConfig, nproc: int, nnodes: int) -> Workers:
 def preflight(cfg: RunConfig, registry: str | None, workers: Workers, resume: str = "never") -> Preflight:
     """Every check of a training run, cheapest first: the first failure is a ConfigError (exit 2)
     or a DataError (exit 3), the same line whichever command met it."""
-    from ddp_cli.commands import resolve_dataset  # commands imports this module at its top
-
     resume = checked_resume(resume)
     check_optimizer(cfg.optim)
     check_sync_batchnorm(cfg.model, workers.device)
@@ -95,6 +93,21 @@ def preflight(cfg: RunConfig, registry: str | None, workers: Workers, resume: st
     batches = len(index.splits["train"]) // workers.world_size // cfg.data.batch_size  # as a rank's loader
     return Preflight(cfg, entry, index, model, workers, resume, count_steps(batches, cfg.train),
                      global_batch, cfg.optim.effective_lr(global_batch))
+
+
+def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | None = None,
+                    splits: tuple[str, ...] = ("train", "val"),
+                    entry: DatasetEntry | None = None) -> tuple[DatasetEntry, IndexTable]:
+    """The registry entry (`data.dataset`, unless given) and its index table, built once per run here
+    in the launcher: a row naming an unsafe path stops the run here under on_bad_image = "error"."""
+    entry = entry or load_registry(registry).get(cfg.data.dataset)
+    fs, root = entry.open()
+    index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image)
+    for split, frame in index.splits.items():
+        if frame.empty:
+            raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "
+                              "(check data.classes and the root)")
+    return entry, index
 
 
 def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) -> Workers:
@@ -126,10 +139,3 @@ def check_sync_batchnorm(cfg: ModelConfig, device: str) -> None:
         raise ConfigError("model.sync_batchnorm: torch's SyncBatchNorm runs on CUDA only and these workers "
                           "train on CPU (gloo); set model.sync_batchnorm = false (each worker then "
                           "normalises with its own batch)")
-
-
-def check_sinks(cfg: LoggingConfig) -> None:
-    """W&B is an optional extra; without it rank 0 would fail as training starts."""
-    if cfg.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("logging.wandb: the wandb package is not installed; "
-                          "pip install 'ddp-cli[wandb]' or remove [logging.wandb]")

@@ -9,6 +9,7 @@ Only rank 0 builds sinks.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import logging
 import time
@@ -76,15 +77,18 @@ class TensorBoardSink:
         self.writer.close()
 
 
+def check_sinks(cfg: LoggingConfig) -> None:
+    """W&B is an optional extra: its absence is a config error before any worker starts."""
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb: the wandb package is not installed; "
+                          "pip install 'ddp-cli[wandb]' or remove [logging.wandb]")
+
+
 class WandbSink:
     """A W&B run in the run dir; `mode = "offline"` needs no network (sync later)."""
 
     def __init__(self, run_dir: Path, settings: Any, config: dict[str, Any]) -> None:
-        try:
-            import wandb
-        except ImportError as e:
-            raise ConfigError("logging.wandb: the wandb package is not installed; "
-                              "pip install 'ddp-cli[wandb]' or remove [logging.wandb]") from e
+        import wandb  # check_sinks has made sure it is there
 
         self.run = wandb.init(project=settings.project, entity=settings.entity, mode=settings.mode,
                               name=settings.name or run_dir.name, dir=str(run_dir), config=config,
