@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test lint docs clean
+.PHONY: setup train test test-cuda lint docs clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ train: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The GPU paths (NCCL, bf16/fp16 autocast + GradScaler, pinned loaders); skipped without CUDA.
+test-cuda: setup
+	$(BIN)/python -m pytest -m cuda tests/cuda -rs
 
 lint: setup
 	$(BIN)/ruff check .

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import LiveRun, last_json, run_ddp
 
-from ddp_cli.train.checkpoint import CheckpointStore
+from ddp_cli.train.checkpoint import CheckpointStore, write_manifest
 
 EXACT = ["--set", "data.workers=1", "--set", "logging.every_steps=1", "--set", "deterministic=true"]
 
@@ -104,21 +104,64 @@ def test_a_torn_checkpoint_is_skipped_for_the_previous_one(demo_registry, tmp_pa
     assert out["epochs"] == 2 and out["final"]["images"] == 359
 
 
-def test_a_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path):
+class Payload:
+    """Unpickling this runs `touch MARKER`: what a hostile checkpoint would do with a shell."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant_malicious(path: Path, marker: Path, fmt: str = "torch") -> Path:
+    """A checkpoint-shaped file whose "model" runs code when unpickled (torch.save zip or bare pickle)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"format": 1, "epoch": 0, "step": 99, "step_in_epoch": 0, "model": Payload(marker)}
+    if fmt == "torch":
+        torch.save(state, path)
+    else:
+        path.write_bytes(pickle.dumps(state))
+    return path
+
+
+def assert_refused(result, marker: Path) -> None:
+    assert not marker.exists(), "the checkpoint's pickled code ran"
+    assert result.returncode == 3, result.stderr[-3000:]
+    refusals = [line for line in result.stderr.splitlines() if "refused" in line]
+    assert len(refusals) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+SHORT = ["--set", "train.epochs=1", "--set", "train.max_steps_per_epoch=1", "--set", "data.workers=0"]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "pickle"])
+def test_validate_refuses_a_malicious_checkpoint_and_runs_nothing(tmp_path, fmt):
     marker = tmp_path / "pwned"
+    evil = plant_malicious(tmp_path / "evil.pt", marker, fmt)
+    assert_refused(run_ddp("validate", "--checkpoint", str(evil), timeout=60), marker)
 
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
 
-    evil = tmp_path / "evil.pt"
-    evil.write_bytes(pickle.dumps({"format": 1, "model": Payload()}))
-    for command in (["validate", "--checkpoint", str(evil)],
-                    ["train", "configs/demo.toml", "--resume", str(evil), "--dry-run"]):
-        result = run_ddp(*command, timeout=60)
-        assert result.returncode in (0, 3), result.stderr
-        assert not marker.exists()
-    assert run_ddp("validate", "--checkpoint", str(evil), timeout=60).returncode == 3
+def test_resume_path_refuses_a_malicious_checkpoint_and_runs_nothing(demo_registry, tmp_path):
+    """The real resume path (no --dry-run): the workers load the file and must refuse it."""
+    marker = tmp_path / "pwned"
+    evil = plant_malicious(tmp_path / "evil.pt", marker)
+    result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                     str(tmp_path / "run"), "--resume", str(evil), *SHORT, timeout=120)
+    assert_refused(result, marker)
+
+
+def test_resume_auto_refuses_a_malicious_newest_checkpoint_and_runs_nothing(demo_registry, tmp_path):
+    """Planted as the run dir's newest step file, with a manifest whose sha256 matches: auto picks it."""
+    marker = tmp_path / "pwned"
+    run_dir = tmp_path / "run"
+    evil = plant_malicious(run_dir / "checkpoints" / "step-000000099.pt", marker)
+    write_manifest(evil, {"epoch": 0, "step": 99, "step_in_epoch": 0, "top1": None})
+    assert CheckpointStore(run_dir / "checkpoints", 1).latest_valid() == evil  # what --resume auto picks
+    result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                     str(run_dir), "--resume", "auto", *SHORT, timeout=120)
+    assert_refused(result, marker)
 
 
 def test_resume_with_another_model_is_a_clear_error(demo_registry, tmp_path, uninterrupted):

@@ -22,6 +22,7 @@ VARIANTS = {
     "mean": {},
     "sum": {"distributed": {"reduce": "sum"}},
     "bf16": {"distributed": {"reduce": "bf16"}},
+    "fp16": {"distributed": {"reduce": "fp16"}},
     "powersgd": {"distributed": {"reduce": "powersgd", "powersgd_warmup_steps": 2}},
     "static_graph": {"distributed": {"static_graph": True}},
     "copied_buckets": {"distributed": {"gradient_as_bucket_view": False, "bucket_cap_mb": 0.05}},
@@ -74,6 +75,19 @@ def test_bf16_reduction_is_mean_up_to_bf16_rounding(history):
     mean, bf16 = delta(history, "mean", 1), delta(history, "bf16", 1)
     assert not torch.equal(bf16, mean), "the bf16 hook did not run"
     assert relative_error(bf16, mean) < 1e-2
+
+
+def test_fp16_reduction_is_mean_up_to_fp16_rounding(history):
+    """fp16 keeps 11 mantissa bits to bf16's 8: the first step (same weights) nearer the mean than
+    bf16's; later steps (from weights already apart by the rounding) still near it."""
+    for step in range(1, STEPS + 1):
+        mean, fp16 = delta(history, "mean", step), delta(history, "fp16", step)
+        assert not torch.equal(fp16, mean), f"the fp16 hook did not run (step {step})"
+        assert relative_error(fp16, mean) < 1e-2, step
+    fp16_error = relative_error(delta(history, "fp16", 1), delta(history, "mean", 1))
+    bf16_error = relative_error(delta(history, "bf16", 1), delta(history, "mean", 1))
+    assert fp16_error < 2e-3 and fp16_error < bf16_error / 2, ("not fp16 rounding (bf16's hook?)",
+                                                               fp16_error, bf16_error)
 
 
 def test_powersgd_is_exact_during_warmup_then_compresses(history):

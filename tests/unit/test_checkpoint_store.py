@@ -1,0 +1,54 @@
+"""CheckpointStore: keep_last prunes the oldest step files only; last.pt is the newest save, best.pt
+the one saved as best (kept even after its step file is pruned)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint, verify
+
+TOP1 = [0.5, 0.9, 0.7, 0.6, 0.8, 0.85]  # best at step 2, never beaten; last at step 6
+
+
+def save_all(store: CheckpointStore, top1s=TOP1) -> None:
+    best_so_far = -1.0
+    for step, top1 in enumerate(top1s, start=1):
+        best = top1 > best_so_far  # what the trainer decides: a strictly higher val top-1
+        best_so_far = max(best_so_far, top1)
+        state = {"model": {"w": torch.full((3,), float(step))}, "step": step, "top1": top1}
+        store.save(state, {"epoch": step, "step": step, "step_in_epoch": 0, "top1": top1}, best)
+
+
+def step_of(path) -> int:
+    state = load_checkpoint(path)  # verifies the manifest's sha256 too
+    assert torch.equal(state["model"]["w"], torch.full((3,), float(state["step"])))
+    return state["step"]
+
+
+@pytest.mark.parametrize("keep_last", [1, 2, 3])
+def test_only_the_newest_step_files_remain_and_aliases_survive_pruning(tmp_path, keep_last):
+    store = CheckpointStore(tmp_path, keep_last)
+    save_all(store)
+    steps = list(range(len(TOP1) - keep_last + 1, len(TOP1) + 1))
+    assert [p.name for p in store.steps()] == [f"step-{s:09d}.pt" for s in steps]
+    expected = {f"step-{s:09d}.pt" for s in steps} | {"last.pt", "best.pt"}
+    assert {p.name for p in tmp_path.glob("*.pt")} == expected
+    assert {p.name for p in tmp_path.glob("*.json")} == {f"{name}.json" for name in expected}
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], "temp files left behind"
+    for path in tmp_path.glob("*.pt"):
+        assert verify(path) is None, path
+    assert step_of(tmp_path / "last.pt") == len(TOP1)
+    assert step_of(tmp_path / "best.pt") == 2  # the highest top-1, though its step file is long gone
+    assert json.loads((tmp_path / "best.pt.json").read_text())["step"] == 2
+    assert step_of(store.latest_valid()) == len(TOP1)
+
+
+def test_best_moves_only_when_a_save_is_marked_best(tmp_path):
+    store = CheckpointStore(tmp_path, 2)
+    save_all(store, [0.3, 0.2, 0.4, 0.4, 0.1])  # an equal top-1 is not better: best stays at step 3
+    assert step_of(tmp_path / "best.pt") == 3
+    assert step_of(tmp_path / "last.pt") == 5
+    assert [p.name for p in store.steps()] == ["step-000000004.pt", "step-000000005.pt"]

@@ -1,0 +1,117 @@
+"""EvalTotals (validation top-1/top-5/loss) against an independent numpy computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ddp_cli.train.metrics import EvalTotals
+
+CPU = torch.device("cpu")
+
+
+def reference(logits: np.ndarray, target: np.ndarray) -> dict[str, np.ndarray]:
+    """Per image: how many classes score strictly above the target, and how many tie with it.
+
+    The target is surely in the top k when fewer than k-minus-its-ties score above it
+    (all its ties fit too), surely out when k or more score above; in between a tie
+    decides, which any order may break.
+    """
+    mine = logits[np.arange(len(target)), target][:, None]
+    above = (logits > mine).sum(axis=1)
+    ties = (logits == mine).sum(axis=1) - 1
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return {"above": above, "ties": ties, "nll": -log_softmax[np.arange(len(target)), target]}
+
+
+def totals(batches) -> dict[str, float]:
+    t = EvalTotals(CPU)
+    for logits, target, keep in batches:
+        t.add(torch.from_numpy(logits), torch.from_numpy(target), torch.from_numpy(keep))
+    return t.reduce()
+
+
+def random_batches(rng, classes: int, sizes, levels: int | None = None):
+    """Logits in [0, 1) (or drawn from `levels` values: many ties), random targets, some images dropped."""
+    out = []
+    for n in sizes:
+        if levels:
+            logits = rng.integers(0, levels, (n, classes)).astype(np.float32)
+        else:
+            logits = rng.standard_normal((n, classes)).astype(np.float32)
+        out.append((logits, rng.integers(0, classes, n), rng.random(n) > 0.2))
+    return out
+
+
+def kept(batches):
+    logits = np.concatenate([b[0][b[2]] for b in batches])
+    target = np.concatenate([b[1][b[2]] for b in batches])
+    return logits, target
+
+
+@pytest.mark.parametrize("classes", [5, 10, 1000])
+def test_top1_top5_and_loss_match_numpy_without_ties(classes):
+    rng = np.random.default_rng(classes)
+    batches = random_batches(rng, classes, [64, 1, 37])
+    logits, target = kept(batches)
+    ref = reference(logits, target)
+    assert (ref["ties"] == 0).all()
+    got = totals(batches)
+    n = len(target)
+    assert got["images"] == n
+    assert got["top1"] == pytest.approx((ref["above"] == 0).sum() / n, abs=1e-12)
+    assert got["top5"] == pytest.approx((ref["above"] < 5).sum() / n, abs=1e-12)
+    assert got["loss"] == pytest.approx(ref["nll"].mean(), rel=1e-5)
+    if classes == 5:
+        assert got["top5"] == 1.0
+    if classes == 10:  # the test discriminates: top-5 is neither top-1 nor everything
+        assert 0 < got["top1"] < got["top5"] < 1.0
+
+
+@pytest.mark.parametrize("classes", [8, 100])
+def test_top5_with_ties_lies_between_the_sure_hits_and_the_possible_ones(classes):
+    rng = np.random.default_rng(7)
+    batches = random_batches(rng, classes, [200, 57], levels=4)  # 4 values: ties everywhere
+    logits, target = kept(batches)
+    ref = reference(logits, target)
+    n = len(target)
+    got = totals(batches)
+    for k, key in ((1, "top1"), (5, "top5")):
+        sure = ((ref["above"] + ref["ties"]) < k).sum()  # in whatever order the ties go
+        possible = (ref["above"] < k).sum()
+        assert sure < possible, "no straddling ties: the test would not exercise them"
+        assert sure / n - 1e-12 <= got[key] <= possible / n + 1e-12, key
+    assert got["loss"] == pytest.approx(ref["nll"].mean(), rel=1e-5)
+
+
+def test_an_all_equal_row_and_an_exact_top5_boundary():
+    """Targets 0..4 of one row where classes 0-4 score highest: all in the top 5; class 5 is sixth."""
+    row = np.array([9, 8, 7, 6, 5, 4, 3, 2], dtype=np.float32)
+    logits = np.stack([row] * 8)
+    target = np.arange(8)
+    got = totals([(logits, target, np.ones(8, dtype=bool))])
+    assert got["top1"] == pytest.approx(1 / 8) and got["top5"] == pytest.approx(5 / 8)
+    flat = np.zeros((3, 6), dtype=np.float32)  # every class tied: top-1 hits 1 of 6, whichever it is
+    got = totals([(flat, np.array([0, 3, 5]), np.ones(3, dtype=bool))])
+    assert got["loss"] == pytest.approx(np.log(6), rel=1e-6)
+    assert 0 <= got["top1"] <= 1 and 0 <= got["top5"] <= 1
+
+
+@pytest.mark.parametrize("classes", [2, 3, 4])
+def test_fewer_than_five_classes_top5_is_every_image(classes):
+    rng = np.random.default_rng(classes)
+    batches = random_batches(rng, classes, [50])
+    logits, target = kept(batches)
+    got = totals(batches)
+    assert got["top5"] == 1.0 and got["images"] == len(target)
+    assert got["top1"] == pytest.approx((reference(logits, target)["above"] == 0).mean(), abs=1e-12)
+
+
+def test_dropped_images_do_not_count():
+    logits = np.eye(4, dtype=np.float32)[[0, 1, 2, 3]] * 5
+    target = np.array([0, 1, 3, 2])  # the last two are wrong
+    keep = np.array([True, True, False, False])
+    got = totals([(logits, target, keep)])
+    assert got["images"] == 2 and got["top1"] == 1.0
