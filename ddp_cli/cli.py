@@ -400,6 +400,30 @@ def bench_options(
     emit(result, as_json, lambda: print_bench(result))
 
 
+@bench_app.command("checkpoint")
+@exits
+def bench_checkpoint(
+    model: ModelOpt = "resnet50",
+    batch_size: BatchOpt = 8,
+    image_size: SizeOpt = 224,
+    world_size: WorldOpt = 2,
+    threads: ThreadsOpt = 1,
+    rounds: RoundsOpt = 2,
+    as_json: JsonOpt = False,
+) -> None:
+    """What a checkpoint costs the step it follows: none vs written in the step vs in the background.
+
+    Examples:
+
+    * `ddp bench checkpoint`
+    * `ddp bench checkpoint --model resnet_tiny --image-size 32 --json`
+    """
+    from ddp_cli.bench.checkpoint import bench_checkpoint as run
+
+    result = run(step_spec(model, batch_size, image_size, 1, rounds), world_size, threads)
+    emit(result, as_json, lambda: print_bench(result))
+
+
 @bench_app.command("allreduce")
 @exits
 def bench_allreduce(

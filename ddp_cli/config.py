@@ -184,6 +184,10 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0, description="Also checkpoint every N steps (0 = epoch ends only).")
     keep_last: int = Field(3, ge=1, description="Step checkpoints kept besides last.pt and best.pt.")
+    background: bool = Field(
+        True, description="Write checkpoints on a background thread from a copy in CPU memory, so "
+        "steps do not wait for the disk; one write at a time, and a stop or the run's end waits for it.",
+    )
     on_world_size_change: Literal["rescale", "refuse"] = Field(
         "rescale", description="Resuming at another world size: \"rescale\" keeps the per-worker batch, "
         "scales the peak LR by the lr_per_256 rule and continues the schedule at the same epoch; "

@@ -21,8 +21,23 @@ from ddp_cli.errors import DataError
 CHECKPOINT_FORMAT = 1  # the marker a ddp checkpoint carries as its "format" key
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Call `write(file)` on a temp file beside `path`, then rename it into place.
+class HashingFile:
+    """A write-only file that hashes and counts what passes through it (no second read of the file)."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file, self.digest, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> tuple[str, int]:
+    """Call `write(file)` on a temp file beside `path`, then rename it into place; (sha256, bytes).
 
     A kill at any instant leaves either the old file or the new one, never half of one.
     """
@@ -30,7 +45,8 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            hashing = HashingFile(f)
+            write(hashing)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -38,6 +54,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+    return hashing.digest.hexdigest(), hashing.size
 
 
 def write_text(path: Path, text: str) -> None:

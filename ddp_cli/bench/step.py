@@ -41,6 +41,7 @@ from ddp_cli.data.transforms import MEAN, STD
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.models import build_model, count_parameters
 from ddp_cli.run.loopback import run_workers
+from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.precision import autocast, resolve_precision
 from ddp_cli.train.trainer import Trainer
 
@@ -93,7 +94,7 @@ def loader(spec: StepSpec, as_float: bool) -> DataLoader:
 
 
 def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
-                overrides: tuple[str, ...] = ()) -> Trainer:
+                overrides: tuple[str, ...] = (), checkpointer: Checkpointer | None = None) -> Trainer:
     """ddp's Trainer as a worker builds it, over the synthetic loader; `overrides` as `--set` takes them."""
     raw = {
         "data": {"batch_size": spec.batch_size, "image_size": spec.image_size,
@@ -110,7 +111,7 @@ def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
     torch.manual_seed(0)
     model = build_model(cfg.model, spec.classes, spec.image_size)
     train = loader(spec, as_float=False)
-    return Trainer(cfg, ctx, model, Loaders(train, None, None), len(train))
+    return Trainer(cfg, ctx, model, Loaders(train, None, None), len(train), checkpointer)
 
 
 def time_ddp(spec: StepSpec, precision: str, channels_last: bool, overrides: tuple[str, ...] = ()) -> float:

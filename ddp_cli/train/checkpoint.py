@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,8 +30,9 @@ from ddp_cli.train import rng
 log = logging.getLogger("ddp")
 
 
-def save_checkpoint(state: dict[str, Any], path: Path) -> None:
-    atomic_write(path, lambda f: torch.save({"format": CHECKPOINT_FORMAT, **state}, f))
+def save_checkpoint(state: dict[str, Any], path: Path) -> tuple[str, int]:
+    """Write atomically; the file's (sha256, bytes), hashed on the way out."""
+    return atomic_write(path, lambda f: torch.save({"format": CHECKPOINT_FORMAT, **state}, f))
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -50,8 +52,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 MANIFEST = ".json"  # sidecar: <checkpoint>.json with sha256, size and position
 
 
-def write_manifest(path: Path, info: dict[str, Any]) -> None:
-    manifest = {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size, **info}
+def write_manifest(path: Path, info: dict[str, Any], written: tuple[str, int] | None = None) -> None:
+    """`<path>.json`; `written` is the (sha256, bytes) known from writing, else the file is read."""
+    sha256, size = written or (sha256_of(path), path.stat().st_size)
+    manifest = {"file": path.name, "sha256": sha256, "bytes": size, **info}
     atomic_write(manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()))
 
 
@@ -89,16 +93,19 @@ class CheckpointStore:
     def __init__(self, folder: Path, keep_last: int) -> None:
         self.folder, self.keep_last = folder, keep_last
 
+    def path_for(self, step: int) -> Path:
+        return self.folder / f"step-{step:09d}.pt"
+
     def save(self, state: dict[str, Any], info: dict[str, Any], best: bool) -> Path:
-        path = self.folder / f"step-{info['step']:09d}.pt"
-        save_checkpoint(state, path)
-        write_manifest(path, info)
+        path = self.path_for(info["step"])
+        written = save_checkpoint(state, path)
+        write_manifest(path, info, written)
         for alias in ("last.pt", "best.pt") if best else ("last.pt",):
-            self._alias(path, self.folder / alias, info)
+            self._alias(path, self.folder / alias, info, written)
         self._prune()
         return path
 
-    def _alias(self, source: Path, alias: Path, info: dict[str, Any]) -> None:
+    def _alias(self, source: Path, alias: Path, info: dict[str, Any], written: tuple[str, int]) -> None:
         tmp = alias.with_name(f".{alias.name}.{os.getpid()}.link")
         tmp.unlink(missing_ok=True)
         try:
@@ -107,7 +114,7 @@ class CheckpointStore:
             shutil.copyfile(source, tmp)
         os.replace(tmp, alias)
         fsync_dir(self.folder)
-        write_manifest(alias, info)
+        write_manifest(alias, info, written)
 
     def _prune(self) -> None:
         for old in self.steps()[: -self.keep_last]:
@@ -199,13 +206,16 @@ class Checkpointer:
     """
 
     def __init__(self, store: CheckpointStore | None, writes: bool = True, every_steps: int = 0,
-                 stop: StopRequest | None = None, meta: dict[str, Any] | None = None) -> None:
+                 stop: StopRequest | None = None, meta: dict[str, Any] | None = None,
+                 background: bool = False) -> None:
         self.store, self.writes, self.every, self.stop = store, writes, every_steps, stop
         self.meta = meta or {}
         self.progress = RunState()
         self.before_save: Callable[[], None] = lambda: None
         self.parts: dict[str, Stateful] = {}
         self.optional: set[str] = set()
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="ddp-checkpoint") if background else None
+        self.pending: Future | None = None
 
     def track(self, progress: RunState, before_save: Callable[[], None]) -> None:
         """The run's progress, and what must happen before any save (e.g. refuse diverged weights)."""
@@ -222,15 +232,20 @@ class Checkpointer:
         due = top1 is not None or signum or (self.every and self.progress.step % self.every == 0)
         path = self.save(top1) if due else None
         if signum:
-            run_dir = self.store.folder.parent if self.store else None
+            self.wait()  # the checkpoint a stop names is on disk before the run ends
+            folder = self.store.folder if self.store else Path("checkpoints")
             raise DdpError(f"stopped by {signal.Signals(signum).name} after step {self.progress.step}, "
-                           f"checkpoint {path or self.store.folder if self.store else 'not written'}; "
-                           f"the same command with --run-dir {run_dir} resumes it",
-                           StopRequest.exit_code(signum))
+                           f"checkpoint {path or folder}; the same command with --run-dir "
+                           f"{folder.parent} resumes it", StopRequest.exit_code(signum))
         return path
 
     def save(self, top1: float | None = None) -> Path | None:
-        """A checkpoint of the current step; returns its path on writing ranks."""
+        """A checkpoint of the current step; returns its path on writing ranks.
+
+        In the background, the state is first copied to CPU memory (training goes on
+        changing the live tensors) and written by one thread while the next steps run;
+        a save waits for the one before it, so two never overlap.
+        """
         self.before_save()
         best = top1 is not None and top1 > self.progress.best_top1
         if top1 is not None:
@@ -239,7 +254,30 @@ class Checkpointer:
         if not (self.writes and self.store):
             return None
         state = {**self.progress.state_dict(), **parts, **self.meta}
-        return self.store.save(state, {**self.progress.position(), "top1": top1}, best)
+        info = {**self.progress.position(), "top1": top1}
+        self.wait()
+        if self.writer is None:
+            return self.store.save(state, info, best)
+        self.pending = self.writer.submit(self.store.save, cpu_copy(state), info, best)
+        return self.store.path_for(self.progress.step)
+
+    def wait(self) -> None:
+        """Until the write under way (if any) is durable; its failure is raised here."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except OSError as e:
+                raise DataError(f"{self.store.folder}: writing a checkpoint failed ({e}); free space or "
+                                "fix the folder, then resume from the last one written") from e
+
+    def close(self) -> None:
+        """Before the process ends: the last write durable, the writer thread gone."""
+        try:
+            self.wait()
+        finally:
+            if self.writer is not None:
+                self.writer.shutdown()
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore the progress and every registered part from `path`; returns the checkpoint."""
@@ -258,3 +296,14 @@ class Checkpointer:
                                   f"class count? {str(e).strip().splitlines()[0]}); use --resume never "
                                   "or a new --run-dir") from e
         return state
+
+
+def cpu_copy(state: Any) -> Any:
+    """`state` with every tensor copied to CPU memory; containers rebuilt, other values shared."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: cpu_copy(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(cpu_copy(value) for value in state)
+    return state

@@ -307,7 +307,9 @@ class Trainer:
             self.metrics.write(record)
 
     def close(self) -> None:
-        """Stop the live view; flush and close the metrics sinks (W&B finishes its run here)."""
+        """Stop the live view; flush and close the metrics sinks (W&B finishes its run here); wait
+        for the checkpoint being written, so the process never ends before it is on disk."""
         self.console.close()
         if self.metrics:
             self.metrics.close()
+        self.checkpointer.close()

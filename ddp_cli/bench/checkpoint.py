@@ -1,0 +1,87 @@
+"""`ddp bench checkpoint`: what writing a checkpoint costs the step it follows.
+
+Rank 0 writes (as each node's first worker does), and the next all-reduce
+makes every rank wait for it, so a checkpoint written in the foreground
+stalls the whole job for the write (serialise, sha256, fsync, three names).
+Three ways are timed in the same gloo workers, on the Trainer's own step
+and Checkpointer: no checkpoint (the baseline), `checkpoint.background =
+false` (the write inside the step) and `true` (a copy to CPU memory inside
+the step, the write on a thread while the next steps run). Each round times
+`normal` steps, then one step followed by a save (the "checkpointing step",
+until the loop may go on), then the step after it (which shares the CPU with
+the writer). Ratios are against the mean normal step of the same mode.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ddp_cli.bench.step import CPU, StepSpec, ddp_trainer, step_header
+from ddp_cli.run.loopback import run_workers
+from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
+from ddp_cli.train.precision import resolve_precision
+
+MODES = ("none", "foreground", "background")
+NORMAL = 3  # plain steps per round before the checkpointing one
+
+
+def _timed_step(trainer, batches, save: bool) -> float:
+    dist.barrier()
+    started = time.perf_counter()
+    trainer.train_step([next(batches)])
+    trainer.state.step += 1
+    if save:
+        trainer.checkpointer.save()
+    return time.perf_counter() - started
+
+
+def time_mode(spec: StepSpec, precision: str, mode: str, folder: Path) -> dict[str, list[float]]:
+    store = CheckpointStore(folder / mode, keep_last=1) if mode != "none" else None
+    checkpointer = Checkpointer(store, writes=dist.get_rank() == 0, background=mode == "background")
+    trainer = ddp_trainer(spec, precision, True, checkpointer=checkpointer)
+    trainer.model.train()
+    batches = iter(trainer.loaders.train)
+    for _ in range(spec.warmup):
+        trainer.train_step([next(batches)])
+    times: dict[str, list[float]] = {"normal": [], "checkpointing": [], "after": []}
+    for _ in range(spec.rounds):
+        times["normal"] += [_timed_step(trainer, batches, False) for _ in range(NORMAL)]
+        times["checkpointing"].append(_timed_step(trainer, batches, mode != "none"))
+        times["after"].append(_timed_step(trainer, batches, False))
+    checkpointer.close()
+    return times
+
+
+def _checkpoint_worker(rank: int, world_size: int, spec: StepSpec, precision: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-ckpt-") as tmp:
+        measured = {mode: time_mode(spec, precision, mode, Path(tmp)) for mode in MODES}
+        sizes = [p.stat().st_size for p in Path(tmp).glob("*/step-*.pt")] if rank == 0 else []
+    return {"times": measured, "checkpoint_mb": max(sizes, default=0) / 2**20}
+
+
+def bench_checkpoint(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
+    """Seconds per normal step, per checkpointing step and per step after it, for each mode."""
+    precision = resolve_precision("auto", CPU)
+    spec = StepSpec(**{**spec.__dict__, "steps": spec.rounds * (NORMAL + 2)})  # the loader's length
+    out = run_workers(_checkpoint_worker, world_size, spec, precision, threads=threads)[0]
+    rows = []
+    for mode, times in out["times"].items():
+        normal = statistics.mean(times["normal"])
+        checkpointing, after = statistics.mean(times["checkpointing"]), statistics.mean(times["after"])
+        rows.append({"mode": mode, "normal_step_s": normal, "checkpointing_step_s": checkpointing,
+                     "next_step_s": after, "checkpointing_vs_normal": checkpointing / normal,
+                     "next_vs_normal": after / normal})
+    ratio = {row["mode"]: row["checkpointing_vs_normal"] for row in rows}
+    return {
+        **step_header("checkpoint", spec, world_size, threads),
+        "precision": precision,
+        "checkpoint_mb": out["checkpoint_mb"],
+        "rows": rows,
+        "ratio_foreground": ratio["foreground"],
+        "ratio_background": ratio["background"],
+    }

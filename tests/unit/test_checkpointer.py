@@ -1,0 +1,135 @@
+"""The Checkpointer: parts registered once, progress field by field, saves in the background that
+never overlap, never hold a half-changed state and never outlive the process."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ddp_cli.errors import DataError, DdpError
+from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore, RunState, load_checkpoint, verify
+
+
+def parts() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def checkpointer(folder: Path, background: bool, **kwargs) -> tuple[Checkpointer, nn.Module, RunState]:
+    model, optimizer = parts()
+    ckpt = Checkpointer(CheckpointStore(folder, keep_last=5), background=background, **kwargs)
+    progress = RunState(epoch=1, step=7, global_batch=32)
+    ckpt.track(progress, before_save=lambda: None)
+    ckpt.register(model=model, optimizer=optimizer)
+    return ckpt, model, progress
+
+
+class GatedStore(CheckpointStore):
+    """A store whose writes wait for `gate`, and which records when each write ran."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder, keep_last=5)
+        self.gate, self.spans, self.fail = threading.Event(), [], False
+
+    def save(self, state, info, best):
+        self.gate.wait(10)
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        start = len(self.spans)
+        self.spans.append(("start", start))
+        path = super().save(state, info, best)
+        self.spans.append(("end", start))
+        return path
+
+
+def test_background_and_foreground_write_the_same_checkpoint(tmp_path):
+    files = {}
+    for background in (False, True):
+        ckpt, model, _ = checkpointer(tmp_path / str(background), background)
+        files[background] = ckpt.save(top1=0.5)
+        ckpt.close()
+        assert verify(files[background]) is None  # the sha256 hashed while writing matches the file
+    fore, back = load_checkpoint(files[False]), load_checkpoint(files[True])
+    assert fore.keys() == back.keys() and back["step"] == 7 and back["global_batch"] == 32
+    for key, value in fore["model"].items():
+        assert torch.equal(value, back["model"][key])
+    assert torch.equal(fore["optimizer"]["state"][0]["momentum_buffer"],
+                       back["optimizer"]["state"][0]["momentum_buffer"])
+
+
+def test_a_background_save_holds_the_state_of_its_step_not_what_training_did_next(tmp_path):
+    ckpt, model, _ = checkpointer(tmp_path, background=True)
+    ckpt.store = store = GatedStore(tmp_path)
+    before = model.weight.detach().clone()
+    path = ckpt.save()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next step, while the write waits
+    store.gate.set()
+    ckpt.close()
+    assert torch.equal(load_checkpoint(path)["model"]["weight"], before)
+
+
+def test_saves_never_overlap_and_close_waits_for_the_last(tmp_path):
+    ckpt, _, progress = checkpointer(tmp_path, background=True)
+    ckpt.store = store = GatedStore(tmp_path)
+    first = ckpt.save()
+    progress.step = 8
+    releaser = threading.Timer(0.2, store.gate.set)
+    releaser.start()
+    second = ckpt.save()  # waits for the first write before handing over the second
+    assert ("end", 0) in store.spans  # one snapshot in memory at a time, one write at a time
+    ckpt.close()
+    assert store.spans == [("start", 0), ("end", 0), ("start", 2), ("end", 2)]
+    assert verify(first) is None and verify(second) is None
+    assert (tmp_path / "last.pt").samefile(second)
+
+
+def test_a_failed_background_write_is_a_one_line_error_at_the_next_wait(tmp_path):
+    ckpt, _, _ = checkpointer(tmp_path, background=True)
+    ckpt.store = store = GatedStore(tmp_path)
+    store.fail = True
+    store.gate.set()
+    ckpt.save()
+    with pytest.raises(DataError, match="writing a checkpoint failed .*No space left"):
+        ckpt.close()
+
+
+class AgreedStop:
+    def agreed(self) -> int:
+        return signal.SIGTERM
+
+
+def test_a_stop_ends_the_run_only_once_its_checkpoint_is_on_disk(tmp_path):
+    ckpt, _, _ = checkpointer(tmp_path, background=True, stop=AgreedStop())
+    ckpt.store = store = GatedStore(tmp_path)
+    threading.Timer(0.2, store.gate.set).start()
+    with pytest.raises(DdpError, match="stopped by SIGTERM after step 7") as stopped:
+        ckpt.after_step()
+    assert stopped.value.exit_code == 143
+    assert verify(store.path_for(7)) is None  # written and checked before the error was raised
+
+
+def test_progress_round_trips_field_by_field_and_missing_parts_are_named(tmp_path):
+    ckpt, _, progress = checkpointer(tmp_path, background=False)
+    progress.history.append({"epoch": 1, "top1": 0.5})
+    progress.samples_in_epoch, progress.running = 96, [3.5, 2.0]
+    path = ckpt.save(top1=0.5)
+    other, _, restored = checkpointer(tmp_path / "other", background=False)
+    restored.step = 0
+    other.load(path)
+    assert restored == RunState(**{**progress.state_dict()})
+    bare = Checkpointer(None)
+    bare.register(ema=nn.Linear(2, 2))
+    with pytest.raises(DataError, match="has no ema state"):
+        bare.load(path)
+    bare.optional.add("ema")
+    bare.load(path)  # an optional part may be absent
