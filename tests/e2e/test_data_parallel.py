@@ -44,6 +44,15 @@ def assert_same_start(runs: list[dict]) -> None:
             assert torch.equal(run["start"][k], v), k
 
 
+def assert_equivalent(ranks: list[dict], reference: dict, atol: float = 1e-5) -> None:
+    """The same start, real training (the weights moved), and the same end as the reference."""
+    assert_same_start([*ranks, reference])
+    for run in (*ranks, reference):
+        assert_moved(run)
+    for run in ranks:
+        assert_same_weights(run["end"], reference["end"], atol)
+
+
 # Adam divides by sqrt(v): for the few elements whose gradient is ~0, the last
 # bits of the all-reduce sum decide a sign, so a handful move by ~lr/100.
 OPTIMS = [({"name": "sgd", "momentum": 0.9, "nesterov": True}, 1e-5), ({"name": "adamw"}, 1e-3)]
@@ -52,20 +61,10 @@ OPTIMS = [({"name": "sgd", "momentum": 0.9, "nesterov": True}, 1e-5), ({"name": 
 @pytest.mark.parametrize(("optim", "atol"), OPTIMS, ids=["sgd", "adamw"])
 def test_two_replicas_equal_one_process_on_the_combined_batch(tmp_path, optim, atol):
     ranks = replicas(tmp_path, 2, 4, 1, optim)
-    reference = single_process(tmp_path / "single", 8, 1, optim)
-    assert_same_start([*ranks, reference])
-    for run in (*ranks, reference):
-        assert_moved(run)
-    for run in ranks:
-        assert_same_weights(run["end"], reference["end"], atol)
+    assert_equivalent(ranks, single_process(tmp_path / "single", 8, 1, optim), atol)
 
 
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     optim = {"name": "sgd", "momentum": 0.9}
     accumulated = replicas(tmp_path, 2, 2, 3, optim)
-    reference = single_process(tmp_path / "single", 12, 1, optim)
-    assert_same_start([*accumulated, reference])
-    for run in (*accumulated, reference):
-        assert_moved(run)
-    for run in accumulated:
-        assert_same_weights(run["end"], reference["end"])
+    assert_equivalent(accumulated, single_process(tmp_path / "single", 12, 1, optim))
