@@ -1,4 +1,4 @@
-"""Launching: SLURM and torchrun environments, rendezvous failures, two nodes on loopback."""
+"""Launching: rendezvous failures, two nodes on loopback (SLURM parsing: tests/unit/test_slurm.py)."""
 
 from __future__ import annotations
 
@@ -8,30 +8,10 @@ import socket
 import pytest
 from conftest import last_json, run_ddp
 
-from ddp_cli.run.launch import LaunchOptions, expand_nodelist, slurm_defaults, with_environment
 from ddp_cli.run.loopback import free_port
 
 SMALL = ["--set", "train.epochs=1", "--set", "train.max_steps_per_epoch=5", "--set", "data.workers=0",
          "--set", "distributed.rdzv_timeout_s=8"]
-
-
-@pytest.mark.parametrize(("nodelist", "hosts"), [
-    ("node1", ["node1"]),
-    ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
-    ("a[8-10],b2", ["a8", "a9", "a10", "b2"]),
-])
-def test_slurm_nodelists_expand(nodelist, hosts):
-    assert expand_nodelist(nodelist) == hosts
-
-
-def test_slurm_variables_fill_the_launch_but_flags_win():
-    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2",
-           "SLURM_JOB_NODELIST": "gpu[10-13]", "SLURM_GPUS_ON_NODE": "8"}
-    assert slurm_defaults(env) == {"nnodes": 4, "node_rank": 2, "rdzv_id": "slurm-4242",
-                                   "rdzv_endpoint": "gpu10:29400", "nproc_per_node": 8}
-    opts = with_environment(LaunchOptions(nproc_per_node=2), env)
-    assert (opts.nnodes, opts.node_rank, opts.nproc_per_node) == (4, 2, 2)
-    assert with_environment(LaunchOptions(), {}) == LaunchOptions()
 
 
 def test_a_busy_rendezvous_port_is_a_usage_error(demo_registry, tmp_path):
