@@ -14,6 +14,7 @@ from ddp_cli.config import RunConfig, config_from_dict, load_config
 from ddp_cli.data.layouts import build_index
 from ddp_cli.distributed.setup import setup
 from ddp_cli.errors import WorkerFailed
+from ddp_cli.observe.startup import StartupClock
 from ddp_cli.plan import describe
 from ddp_cli.preflight import (
     Preflight,
@@ -21,6 +22,7 @@ from ddp_cli.preflight import (
     launch_workers,
     preflight,
     resolve_dataset,
+    resolve_loaders,
     validation_workers,
 )
 from ddp_cli.registry import DatasetEntry, load_registry
@@ -43,28 +45,36 @@ def prepare_run(run: Preflight, run_dir: Path | None, quiet: bool) -> Path:
 
 def train(config: Path, overrides: list[str], registry: str | None, run_dir: Path | None,
           opts: LaunchOptions, resume: str, quiet: bool) -> dict[str, Any]:
+    """Check, hand off, launch; the result with where start-up time went (`StartupClock`)."""
+    startup = StartupClock()
+    startup.mark("imports")
     cfg = load_config(config, overrides)
+    startup.mark("config")
     if external_launcher():
-        return train_under_torchrun(cfg, registry, run_dir, resume, quiet)
-    run = preflight(cfg, registry, launch_workers(cfg, opts), resume)
+        return train_under_torchrun(cfg, registry, run_dir, resume, quiet, startup)
+    run = preflight(cfg, registry, launch_workers(cfg, opts), resume, startup)
     folder = prepare_run(run, run_dir, quiet)
+    startup.mark("hand_off")
+    startup.hand_over()
     launch(folder, run.workers.nproc, opts, cfg.distributed)
-    return read_result(folder)
+    return {**read_result(folder), "data_workers": run.loaders.as_dict()}
 
 
 def train_under_torchrun(cfg: RunConfig, registry: str | None, run_dir: Path | None,
-                         resume: str, quiet: bool) -> dict[str, Any]:
+                         resume: str, quiet: bool, startup: StartupClock) -> dict[str, Any]:
     """Started by an external torchrun: rank 0 checks and prepares the run dir, every rank trains."""
     ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
-    folder = [None]
+    startup.mark("process_group")
+    folder, run = [None], None
     if ctx.is_main:
-        run = preflight(cfg, registry, joined_workers(cfg, ctx), resume)
+        run = preflight(cfg, registry, joined_workers(cfg, ctx), resume, startup)
         folder[0] = str(prepare_run(run, run_dir, quiet))
+        startup.mark("hand_off")
     dist.broadcast_object_list(folder, src=0)
-    code = run_job(Path(folder[0]))
+    code = run_job(Path(folder[0]), startup)
     if code:
         raise WorkerFailed("", code)
-    return read_result(Path(folder[0])) if ctx.is_main else {}
+    return {**read_result(Path(folder[0])), "data_workers": run.loaders.as_dict()} if run else {}
 
 
 def plan(config: Path, overrides: list[str], registry: str | None, opts: LaunchOptions,
@@ -82,10 +92,11 @@ def validate(checkpoint: Path, config: Path | None, dataset: str | None, registr
     cfg.model.weights = None  # the checkpoint's weights are evaluated, not the run's starting point
     if batch_size:
         cfg.data.batch_size = batch_size
-    workers = validation_workers(cfg, len(state["classes"]), opts)
+    workers, model = validation_workers(cfg, len(state["classes"]), opts)
     cfg.data.dataset = dataset or cfg.data.dataset
     stored = None if dataset or registry else DatasetEntry.model_validate(state["dataset"])
     entry, index = resolve_dataset(cfg, registry, state["classes"], ("val",), stored)
+    resolve_loaders(cfg, workers, entry, index, model, "val")
     with tempfile.TemporaryDirectory(prefix="ddp-validate-") as tmp:
         job_dir = Path(tmp)
         prepare_job(job_dir, cfg, entry, index, Job("validate", quiet, str(Path(checkpoint).resolve())))

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveInt,
     ValidationError,
     field_validator,
@@ -42,8 +43,16 @@ class DataConfig(Section):
         256, ge=8, description="Validation: resize the shorter side to this, then center-crop."
     )
     batch_size: int = Field(32, ge=1, description="Images per worker per micro-step.")
-    workers: int = Field(4, ge=0, description="DataLoader processes per worker (0 = in-process).")
-    prefetch_factor: int = Field(2, ge=1, description="Batches each loader process keeps ready.")
+    workers: NonNegativeInt | Literal["auto"] = Field(
+        4, description="DataLoader processes per worker (0 = in-process). auto: from the cores per "
+        "worker and a measured decode time: on GPU every core but the trainer's; on CPU as many as "
+        "decoding's share of the cores, and none unless loading apart would gain 10% (README, "
+        '"Input pipeline").',
+    )
+    prefetch_factor: PositiveInt | Literal["auto"] = Field(
+        2, description="Batches each loader process keeps ready. auto: at least 2, and 4 batches "
+        "queued per worker in all.",
+    )
     on_bad_image: Literal["error", "skip"] = Field(
         "error", description='"error": stop every rank (exit 3) naming the file; '
         '"skip": replace it by another sample and count it.',

@@ -63,6 +63,7 @@ def describe(run: Preflight) -> dict[str, Any]:
         "warmup_steps": warmup_steps(cfg.schedule, steps),
         "lr_schedule": lr_preview(cfg, run.lr, steps),
         "image_size": image_sizes(cfg),
+        "data_workers": run.loaders.as_dict(),  # loader processes and prefetch per worker, and why
         "precision": workers.precision,  # "auto" resolved for this node's devices
         "channels_last": cfg.model.channels_last,
         "compile": cfg.train.compile,

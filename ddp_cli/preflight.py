@@ -19,11 +19,13 @@ import torch
 from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
+from ddp_cli.data.autotune import LoaderChoice, choose_loaders
 from ddp_cli.data.layouts import IndexTable, build_index
 from ddp_cli.distributed.setup import DistContext, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.models import check_model
 from ddp_cli.observe.sinks import check_sinks
+from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
 from ddp_cli.train.optim import check_optimizer
@@ -55,6 +57,7 @@ class Preflight:
     index: IndexTable
     model: nn.Module  # on the meta device: real shapes, no memory
     workers: Workers
+    loaders: LoaderChoice  # data.workers and prefetch_factor, "auto" made concrete
     resume: str  # auto | never | an absolute checkpoint path
     steps_per_epoch: int
     global_batch: int
@@ -80,18 +83,24 @@ def place_workers(cfg: RunConfig, nproc: int, nnodes: int) -> Workers:
     return Workers(nproc, nnodes, backend, device, precision)
 
 
-def preflight(cfg: RunConfig, registry: str | None, workers: Workers, resume: str = "never") -> Preflight:
+def preflight(cfg: RunConfig, registry: str | None, workers: Workers, resume: str = "never",
+              startup: StartupClock | None = None) -> Preflight:
     """Every check of a training run, cheapest first: the first failure is a ConfigError (exit 2)
-    or a DataError (exit 3), the same line whichever command met it."""
+    or a DataError (exit 3), the same line whichever command met it. `startup` times its phases."""
+    startup = startup or StartupClock()
     resume = checked_resume(resume)
     check_optimizer(cfg.optim)
     check_sync_batchnorm(cfg.model, workers.device)
     check_sinks(cfg.logging)
     entry, index = resolve_dataset(cfg, registry)
+    startup.mark("index")
     model = checked_model(cfg, len(index.classes))
+    startup.mark("model_check")
+    loaders = resolve_loaders(cfg, workers, entry, index, model, "train")
+    startup.mark("data_workers")
     global_batch = workers.world_size * cfg.data.batch_size * cfg.train.grad_accum
     batches = len(index.splits["train"]) // workers.world_size // cfg.data.batch_size  # as a rank's loader
-    return Preflight(cfg, entry, index, model, workers, resume, count_steps(batches, cfg.train),
+    return Preflight(cfg, entry, index, model, workers, loaders, resume, count_steps(batches, cfg.train),
                      global_batch, cfg.optim.effective_lr(global_batch))
 
 
@@ -110,11 +119,19 @@ def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | N
     return entry, index
 
 
-def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) -> Workers:
+def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) -> tuple[Workers, nn.Module]:
     """What of preflight `ddp validate` meets: its workers, and a model that takes the val images."""
-    workers = launch_workers(cfg, opts)
-    check_model(cfg, num_classes)
-    return workers
+    return launch_workers(cfg, opts), check_model(cfg, num_classes)
+
+
+def resolve_loaders(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index: IndexTable,
+                    model: nn.Module, split: str) -> LoaderChoice:
+    """`choose_loaders` for this node, written into the config: the workers read concrete numbers."""
+    fs, root = entry.open()
+    choice = choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split].paths,
+                            model, train=split == "train")
+    cfg.data.workers, cfg.data.prefetch_factor = choice.workers, choice.prefetch_factor
+    return choice
 
 
 def checked_resume(resume: str) -> str:

@@ -30,6 +30,7 @@ from ddp_cli.fastexit import exit_if_stuck, exit_now
 from ddp_cli.models import build_model, load_weights
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import build_sinks
+from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.jobs import Job, read_job, record_error, write_result
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore, load_checkpoint
@@ -80,16 +81,18 @@ def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
 
 
 def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
-                  index: IndexTable, job: Job) -> Trainer:
+                  index: IndexTable, job: Job, startup: StartupClock) -> Trainer:
     """The worker's Trainer: an identical model on every rank, this rank's loaders, and what ties
     the run to its process (stop signals, checkpoints in the run dir, metrics on rank 0)."""
     seed_everything(cfg.seed, cfg.deterministic)
     model = build_model(cfg.model, len(index.classes), cfg.data.image_size)  # same seed: same weights
     if cfg.model.weights:
         load_weights(model, cfg.model, len(index.classes))
+    startup.mark("model")
     fs, root = entry.open()
     loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
                             pin_memory=ctx.device.type == "cuda")
+    startup.mark("loaders")
     meta = {"config": cfg.model_dump(mode="json"), "dataset": entry.model_dump(mode="json"),
             "classes": index.classes}
     checkpointer = Checkpointer(CheckpointStore(folder / "checkpoints", cfg.checkpoint.keep_last),
@@ -98,13 +101,15 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
                                 background=cfg.checkpoint.background)
     metrics = build_sinks(cfg.logging, folder, cfg.model_dump(mode="json")) if ctx.is_main else None
     console = RunConsole(ctx.is_main and not job.quiet, cfg.logging.every_steps)
-    return Trainer(cfg, ctx, model, loaders, count_steps(len(loaders.train), cfg.train),
-                   checkpointer, metrics, console)
+    trainer = Trainer(cfg, ctx, model, loaders, count_steps(len(loaders.train), cfg.train),
+                      checkpointer, metrics, console, startup)
+    startup.mark("ddp")
+    return trainer
 
 
 def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
-              index: IndexTable, job: Job) -> dict[str, Any]:
-    trainer = build_trainer(cfg, ctx, folder, entry, index, job)
+              index: IndexTable, job: Job, startup: StartupClock) -> dict[str, Any]:
+    trainer = build_trainer(cfg, ctx, folder, entry, index, job, startup)
     checkpoint = resume_point(job, folder, ctx)
     if checkpoint:
         trainer.resume(checkpoint)
@@ -113,6 +118,7 @@ def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntr
                      f"step {trainer.state.step})")
     try:
         assert_identical_across_ranks(trainer.model.module, "at the start")
+        startup.mark("replica_check")
         result = trainer.fit()
         assert_identical_across_ranks(trainer.model.module, "at the end")
     finally:
@@ -145,27 +151,28 @@ def validate_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetE
             "world_size": ctx.world_size, **metrics}
 
 
-JOBS = {"train": train_job, "validate": validate_job}
-
-
 TEARDOWN_S = 30  # destroying the process group may wait on peers; the results are saved by then
 
 
-def run_job(folder: Path) -> int:
-    """Run the job in this process (already inside a torchrun-style environment); its exit code."""
-    code = job_outcome(folder)
+def run_job(folder: Path, startup: StartupClock) -> int:
+    """Run the job in this process (already inside a torchrun-style environment); its exit code.
+    `startup` times a training job's phases up to its first step."""
+    code = job_outcome(folder, startup)
     with exit_if_stuck(code, TEARDOWN_S):
         teardown()
     return code
 
 
-def job_outcome(folder: Path) -> int:
+def job_outcome(folder: Path, startup: StartupClock) -> int:
     """Run the job; its exit code, any failure recorded for the launcher."""
     rank = int(os.environ.get("RANK", 0))
     try:
         cfg, entry, index, job = read_job(folder)
+        startup.mark("read_job")
         ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
-        result = JOBS[job.mode](cfg, ctx, folder, entry, index, job)
+        startup.mark("process_group")
+        result = (train_job(cfg, ctx, folder, entry, index, job, startup) if job.mode == "train"
+                  else validate_job(cfg, ctx, folder, entry, index, job))
         if ctx.local_rank == 0:  # every node's launcher reports (results are reduced, the same)
             write_result(folder, result)
         return 0
@@ -224,8 +231,10 @@ def die_with_launcher(poll_s: float = 1.0) -> None:
 
 def main() -> None:
     logging.basicConfig(level=os.environ.get("DDP_LOG_LEVEL", "INFO"), format="%(message)s")
+    startup = StartupClock.inherited()
+    startup.mark("worker_imports")
     die_with_launcher()
-    exit_now(run_job(Path(sys.argv[1])))
+    exit_now(run_job(Path(sys.argv[1]), startup))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from ddp_cli.distributed.setup import DistContext
 from ddp_cli.errors import ConfigError, DataError, DivergedError
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import Sink
+from ddp_cli.observe.startup import StartupClock
 from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.metrics import EvalTotals
@@ -98,10 +99,12 @@ def evaluate(
 class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, model: nn.Module, loaders: Loaders,
                  steps_per_epoch: int, checkpointer: Checkpointer | None = None,
-                 metrics: Sink | None = None, console: RunConsole | None = None) -> None:
+                 metrics: Sink | None = None, console: RunConsole | None = None,
+                 startup: StartupClock | None = None) -> None:
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.cfg, self.ctx, self.loaders, self.steps_per_epoch = cfg, ctx, loaders, steps_per_epoch
         self.metrics, self.console = metrics, console or RunConsole(False)
+        self.startup = startup or StartupClock()
         self.accum = cfg.train.grad_accum
         self.global_batch = ctx.world_size * cfg.data.batch_size * self.accum
         model = place(model, cfg.model, ctx.device)
@@ -168,10 +171,15 @@ class Trainer:
             update(start)
             for step in range(start + 1, self.steps_per_epoch + 1):
                 micro = [next(batches) for _ in range(self.accum)]
+                self.startup.mark("first_batch")
                 bad.update(path for b in micro for path in skipped_files(b[2]))
                 lrs.append(self.optimizer.param_groups[0]["lr"])
                 self.running += torch.stack([self.train_step(micro).double(), self.running.new_ones(())])
                 self.state.step, self.state.step_in_epoch = self.state.step + 1, step
+                if startup := self.startup.finish("first_step"):
+                    self.console.info(self.startup.line())
+                    self.log({"split": "startup", "epoch": epoch + 1, "step": self.state.step,
+                              "startup_seconds": startup})
                 self.state.samples_in_epoch += self.global_batch
                 if step % every == 0 or step == self.steps_per_epoch:
                     loss = self.check_finite()
@@ -299,6 +307,7 @@ class Trainer:
             "best_top1": self.state.best_top1,
             "images_per_second": images_per_second,
             "skipped_images": len(self.state.skipped_files),  # distinct bad files, whole run
+            "startup_seconds": self.startup.seconds(),  # to the end of the first step, by phase
             "last_epoch": last,
         }
 

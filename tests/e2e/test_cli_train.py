@@ -25,7 +25,7 @@ def trained(demo_registry, tmp_path_factory):
 def test_train_json_and_run_directory(trained):
     out, run_dir = trained
     for key in ("run_dir", "world_size", "epochs", "final", "best_top1", "checkpoint",
-                "images_per_second", "skipped_images", "restarts"):
+                "images_per_second", "skipped_images", "restarts", "startup_seconds", "data_workers"):
         assert key in out, key
     assert out["world_size"] == 2 and out["epochs"] == 2 and out["restarts"] == 0
     assert out["final"]["images"] == 359
@@ -39,7 +39,16 @@ def test_train_json_and_run_directory(trained):
     val = [r for r in records if r["split"] == "val"]
     assert [r["epoch"] for r in val] == [1, 2]
     assert all({"epoch", "step", "split", "loss", "lr", "images_per_second", "time"} <= r.keys()
-               for r in records)
+               for r in records if r["split"] != "startup")
+    startup = [r for r in records if r["split"] == "startup"]
+    assert len(startup) == 1 and startup[0]["step"] == 1 and startup[0]["startup_seconds"] == \
+        out["startup_seconds"]
+    phases = out["startup_seconds"]
+    assert {"imports", "index", "hand_off", "launch", "worker_imports", "process_group", "model", "loaders",
+            "ddp", "first_batch", "first_step", "total"} <= phases.keys()
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert phases["total"] == pytest.approx(sum(v for k, v in phases.items() if k != "total"), abs=0.02)
+    assert out["data_workers"] == {"workers": 0, "prefetch_factor": 2, "rule": "data.workers as set"}
     assert {"top1", "top5"} <= val[-1].keys()
     assert (run_dir / "checkpoints/last.pt").is_file() and (run_dir / "checkpoints/best.pt").is_file()
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
@@ -68,4 +77,5 @@ def test_external_torchrun_does_not_launch_twice(demo_registry, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     out = last_json(proc)
     assert out["world_size"] == 2 and out["run_dir"] == str(run_dir.resolve())
+    assert {"process_group", "index", "hand_off", "first_step"} <= out["startup_seconds"].keys()
     assert sum(line.startswith("{") for line in proc.stdout.splitlines()) == 1  # rank 0 alone prints

@@ -13,6 +13,7 @@ from synthetic import make_imagenet_loc, write_registry
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
+from ddp_cli.data.autotune import choose_prefetch, choose_workers, cores_per_rank
 from ddp_cli.train.precision import resolve_precision
 
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
@@ -80,3 +81,14 @@ def test_powersgd_plan_shows_its_warmup(tiny):
     plan = json.loads(result.stdout.strip().splitlines()[-1])
     assert plan["reduce"] == "powersgd"
     assert plan["powersgd_warmup_steps"] == max(2, plan["total_steps"] // 10)
+
+
+def test_auto_loader_workers_are_resolved_and_explained(tiny):
+    result = dry_run(tiny, str(REPO / "configs/demo.toml"), "--set", "data.workers=auto",
+                     "--set", "data.prefetch_factor=auto", "--set", "distributed.nproc_per_node=1")
+    assert result.exit_code == 0, result.output
+    choice = json.loads(result.stdout.strip().splitlines()[-1])["data_workers"]
+    assert choice["cores_per_rank"] == cores_per_rank(1) and choice["decode_ms"] > 0
+    assert choice["workers"] == choose_workers(choice["cores_per_rank"], "cpu", choice["decode_ms"],
+                                               choice.get("model_ms"))[0]
+    assert choice["prefetch_factor"] == choose_prefetch(choice["workers"]) and choice["rule"]

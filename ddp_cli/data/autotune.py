@@ -1,0 +1,151 @@
+"""`data.workers = "auto"`: a rank's loader processes and prefetch, from its cores and a measurement.
+
+Per image a loader process spends D ms reading, decoding and cropping
+(measured here on a few of the data set's own images), and the model M
+core-ms training on it. A rank has C cores (this process's CPU affinity over
+the ranks of the node).
+
+- On GPU the model runs on the device: the decoding is what the cores are for,
+  and a GPU trains faster than all of them decode for any ImageNet model
+  (1,000s of images/s against 100s per core), so every core but the one that
+  drives the GPU gets a loader: C - 1 (at least 1).
+- On CPU the model computes on the same C cores. Loading in-process stalls
+  each step for D per image while C - 1 cores idle (D + M/C per image);
+  loader processes overlap the two, (D + M)/C per image at best, and take
+  their cores from the model's threads. So the loaders are decoding's share
+  of the cores, ceil(C * D / (D + M)), at most C - 1, and none at all unless
+  that gain, D (C - 1) / (C D + M), reaches 10%. M is the model's forward
+  FLOPs at the train crop (counted on the meta device), times 3 for the
+  backward, over one core's measured matmul rate.
+
+Prefetch: at least torch's 2 batches per loader process, and 4 batches queued
+per rank in all, so one slow batch does not stall the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import fsspec
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ddp_cli.config import DataConfig
+from ddp_cli.data.images import BadImage
+from ddp_cli.data.loaders import fetch
+from ddp_cli.data.storage import FileReader
+from ddp_cli.data.transforms import TrainTransform, ValTransform
+
+MIN_GAIN = 0.10  # loader processes on CPU only when they would speed a step up this much
+QUEUED = 4  # batches prefetched per rank, in all
+SAMPLES = 8  # images decoded to measure D (after one to warm up)
+BACKWARD = 3  # forward + backward FLOPs over forward FLOPs
+
+
+@dataclass(frozen=True)
+class LoaderChoice:
+    """What a rank's loaders run with, and why (the plan and `train --json` show it)."""
+
+    workers: int
+    prefetch_factor: int
+    rule: str
+    cores_per_rank: int | None = None
+    decode_ms: float | None = None
+    model_ms: float | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        """The inputs the rule used; none for numbers as set."""
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()
+                if v is not None}
+
+
+def cores_per_rank(nproc: int) -> int:
+    """This process's cores shared among the node's `nproc` ranks, at least one each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, nproc))
+
+
+def decode_ms(fs: fsspec.AbstractFileSystem, root: str, paths: Sequence[str],
+              transform: Callable, samples: int = SAMPLES) -> float:
+    """Milliseconds one process takes to read, decode and crop one image, over images spread
+    through `paths` (bad ones cost their attempt, as they would in a loader)."""
+    reader = FileReader(fs, root)
+    step = max(1, len(paths) // (samples + 1))
+    picks = [paths[i] for i in range(0, len(paths), step)][: samples + 1]
+
+    def load(path: str) -> None:
+        with contextlib.suppress(BadImage):
+            transform(fetch(reader, path))
+
+    load(picks[0])  # the first pays for imports and caches
+    started = time.perf_counter()
+    for path in picks[1:]:
+        load(path)
+    return (time.perf_counter() - started) * 1000 / max(1, len(picks) - 1)
+
+
+def model_ms(model: nn.Module, size: int, train: bool = True) -> float:
+    """Core-milliseconds of the model's compute per image: FLOPs (of a meta-device `model`)
+    over one core's matmul rate."""
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.empty(1, 3, size, size, device="meta"))
+    flops = counter.get_total_flops() * (BACKWARD if train else 1)
+    return flops / core_flops_per_second() * 1000
+
+
+def core_flops_per_second(n: int = 256, repeat: int = 4) -> float:
+    """One core's float32 matmul rate: an upper bound for convolutions, so M errs low, loaders high."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        started = time.perf_counter()
+        for _ in range(repeat):
+            a @ b
+        return 2 * n**3 * repeat / (time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def choose_workers(cores: int, device: str, decode: float, model: float | None) -> tuple[int, str]:
+    """The rule (module docstring): loader processes for a rank, and the rule as applied."""
+    if device == "cuda":
+        return max(1, cores - 1), f"GPU: cores per rank - 1 = {cores} - 1, at least 1"
+    if cores == 1 or model is None:  # model: None only where it was not needed
+        return 0, "CPU, one core per rank: loaders would only take it from the model"
+    gain = decode * (cores - 1) / (cores * decode + model)
+    if gain < MIN_GAIN:
+        return 0, f"CPU: loader processes would gain {gain:.0%} < {MIN_GAIN:.0%}; in-process"
+    share = min(cores - 1, math.ceil(cores * decode / (decode + model)))
+    return share, (f"CPU: ceil(cores * decode / (decode + model)) = ceil({cores} * {decode:.3g} / "
+                   f"{decode + model:.3g}), at most cores - 1; gain {gain:.0%}")
+
+
+def choose_prefetch(workers: int) -> int:
+    """torch's 2, or more for fewer than QUEUED / 2 loader processes (2 for none: unused then)."""
+    return max(2, math.ceil(QUEUED / workers)) if workers else 2
+
+
+def choose_loaders(cfg: DataConfig, device: str, nproc: int, fs: fsspec.AbstractFileSystem, root: str,
+                   paths: Sequence[str], model: nn.Module, train: bool = True) -> LoaderChoice:
+    """`data.workers` and `data.prefetch_factor`, each as set or, if "auto", by the rule."""
+    if cfg.workers != "auto":
+        workers, rule, inputs = cfg.workers, "data.workers as set", {}
+    else:
+        cores = cores_per_rank(nproc)
+        size = cfg.image_size if train else cfg.val_image_size or cfg.image_size
+        transform = TrainTransform(size, cfg.min_crop_scale, cfg.hflip) if train else \
+            ValTransform(size, cfg.val_resize)
+        decode = decode_ms(fs, root, paths, transform)
+        cost = model_ms(model, size, train) if device == "cpu" and cores > 1 else None
+        workers, rule = choose_workers(cores, device, decode, cost)
+        inputs = {"cores_per_rank": cores, "decode_ms": decode, "model_ms": cost}
+    prefetch = choose_prefetch(workers) if cfg.prefetch_factor == "auto" else cfg.prefetch_factor
+    return LoaderChoice(workers, prefetch, rule, **inputs)
