@@ -4,8 +4,8 @@
 
 Writes LOC_synset_mapping.txt (1,000 classes), ILSVRC/ImageSets/CLS-LOC/train_cls.txt
 (1,281,167 rows, the real count) and LOC_val_solution.csv (50,000 rows, with
-several boxes per row as in the archive), then times the index build (all
-classes, and a 100-class subset) and the run-dir hand-off (`IndexTable.save`
+several boxes per row as in the archive) with `ddp_cli.bench.metadata`, then
+times the index build (all classes, and a 100-class subset) and the run-dir hand-off (`IndexTable.save`
 in the launcher, `IndexTable.load` in every rank).
 """
 
@@ -17,33 +17,9 @@ import time
 from pathlib import Path
 
 import fsspec
-import numpy as np
 
-from ddp_cli.data.layouts import LOC_TRAIN_LIST, IndexTable, build_index
-
-TRAIN_IMAGES, VAL_IMAGES, CLASSES = 1_281_167, 50_000, 1000
-
-
-def write_metadata(root: Path) -> None:
-    rng = np.random.default_rng(0)
-    synsets = [f"n{1440764 + 37 * c:08d}" for c in range(CLASSES)]
-    (root / "LOC_synset_mapping.txt").write_text("".join(f"{s} class {c}, thing\n"
-                                                         for c, s in enumerate(synsets)))
-    per_class = np.full(CLASSES, TRAIN_IMAGES // CLASSES)
-    per_class[: TRAIN_IMAGES % CLASSES] += 1
-    lines = []
-    for synset, count in zip(synsets, per_class, strict=True):
-        ids = rng.choice(60000, size=count, replace=False)
-        lines.extend(f"{synset}/{synset}_{i}" for i in ids)
-    listing = root / LOC_TRAIN_LIST
-    listing.parent.mkdir(parents=True, exist_ok=True)
-    listing.write_text("".join(f"{line} {k + 1}\n" for k, line in enumerate(lines)))
-    labels = rng.integers(0, CLASSES, VAL_IMAGES)
-    rows = ["ImageId,PredictionString"]
-    for i, label in enumerate(labels):
-        box = f"{synsets[label]} 10 20 200 300 "
-        rows.append(f"ILSVRC2012_val_{i + 1:08d},{box * int(rng.integers(1, 4))}")
-    (root / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+from ddp_cli.bench.metadata import write_metadata
+from ddp_cli.data.layouts import IndexTable, build_index
 
 
 def timed(fn) -> tuple[float, object]:

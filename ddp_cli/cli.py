@@ -452,6 +452,27 @@ def bench_allreduce(
     emit(result, as_json, lambda: print_bench(result))
 
 
+@bench_app.command("memory")
+@exits
+def bench_memory(
+    rows: Annotated[int, typer.Option(min=1000, help="Train rows of the index (ImageNet: 1,281,167).")]
+    = 1_281_167,
+    workers: Annotated[int, typer.Option(min=1, help="DataLoader processes walking the index.")] = 4,
+    as_json: JsonOpt = False,
+) -> None:
+    """Private memory the index costs a rank and each loader process over one pass, vs Python lists.
+
+    Examples:
+
+    * `ddp bench memory`
+    * `ddp bench memory --rows 100000 --workers 2 --json`
+    """
+    from ddp_cli.bench.memory import bench_memory as run
+
+    result = run(rows, workers)
+    emit(result, as_json, lambda: print_bench(result, table="forms"))
+
+
 DEMO_CONFIG = Path("configs/demo.toml")
 
 
@@ -513,14 +534,14 @@ def print_splits(splits: dict[str, dict[str, int]]) -> None:
     Console().print(table)
 
 
-def print_bench(result: dict[str, Any]) -> None:
-    """Every bench the same way: its `rows` as a table, then the other keys (see ddp_cli/bench)."""
-    rows = result["rows"]
-    table = Table(*rows[0], title=f"bench {result['bench']}", title_justify="left")
+def print_bench(result: dict[str, Any], table: str = "rows") -> None:
+    """Every bench the same way: its `table` (`rows`) as a table, then the other keys (see ddp_cli/bench)."""
+    rows = result[table]
+    out = Table(*rows[0], title=f"bench {result['bench']}", title_justify="left")
     for row in rows:
-        table.add_row(*(_fmt(v) for v in row.values()))
-    Console().print(table)
-    print_mapping("set-up and result", {k: v for k, v in result.items() if k not in ("bench", "rows")})
+        out.add_row(*(_fmt(v) for v in row.values()))
+    Console().print(out)
+    print_mapping("set-up and result", {k: v for k, v in result.items() if k not in ("bench", table)})
 
 
 @contextmanager

@@ -120,8 +120,7 @@ def datasets_show(name: str, registry: str | None) -> dict[str, Any]:
     return {
         **entry.model_dump(mode="json", exclude_none=True, exclude={"storage"}),
         "storage": entry.storage.model_dump(mode="json", exclude_defaults=True),
-        "splits": {split: {"images": len(frame), "classes": int(frame["label"].nunique())}
-                   for split, frame in index.splits.items()},
+        "splits": index.counts(),
         "classes": [{"index": i, "synset": synset, "description": text}
                     for i, (synset, text) in enumerate(zip(index.classes, index.descriptions, strict=True))],
     }

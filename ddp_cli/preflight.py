@@ -113,7 +113,7 @@ def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | N
     fs, root = entry.open()
     index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image)
     for split, frame in index.splits.items():
-        if frame.empty:
+        if not len(frame):
             raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "
                               "(check data.classes and the root)")
     return entry, index

@@ -21,7 +21,7 @@ import io
 import os
 import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -55,7 +55,7 @@ class EndlessSampler(Sampler[int]):
 class TorchvisionStyle(Dataset):
     """torchvision's ImageFolder loader and ImageNet-example transforms, over our file list."""
 
-    def __init__(self, reader: FileReader, paths: list[str], size: int) -> None:
+    def __init__(self, reader: FileReader, paths: Sequence[str], size: int) -> None:
         self.reader, self.paths = reader, paths
         self.transform = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(),
                                     T.ToTensor(), T.Normalize(MEAN, STD)])
@@ -83,7 +83,7 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
                           f"than --batch-size {batch_size}")
     reader = FileReader(fs, root)
     ours = ImageDataset(fs, root, table, TrainTransform(image_size), "skip", image_size)
-    theirs = TorchvisionStyle(reader, table["path"].tolist(), image_size)
+    theirs = TorchvisionStyle(reader, table.paths, image_size)
     cpu = torch.device("cpu")
     pipelines: dict[str, tuple[Dataset, Callable]] = {
         "ddp": (ours, lambda batch: to_model_input(batch[0], cpu, channels_last=False)),

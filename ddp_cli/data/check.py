@@ -45,7 +45,7 @@ def check_dataset(
     started = time.perf_counter()
     index = build_index(fs, root, layout, splits=splits)
     reader = FileReader(fs, root)
-    paths = [path for split in splits for path in index.splits[split]["path"]]
+    paths = [path for split in splits for path in index.splits[split].paths]
     bad = list(index.problems)
     with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="check") as pool:
         for start in range(0, len(paths), CHUNK):
@@ -56,8 +56,7 @@ def check_dataset(
                 if progress:
                     progress(start + offset + 1, len(paths))
     return {
-        "splits": {split: {"images": len(frame), "classes": int(frame["label"].nunique())}
-                   for split, frame in index.splits.items()},
+        "splits": index.counts(),
         "bad_files": sorted(bad, key=lambda b: b["path"]),
         "seconds": time.perf_counter() - started,
     }

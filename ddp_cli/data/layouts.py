@@ -28,8 +28,10 @@ import fsspec
 import numpy as np
 import pandas as pd
 
+from ddp_cli.data.packed import Split
 from ddp_cli.data.storage import UNSAFE_PATH, escapes
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
+from ddp_cli.io import write_text
 
 SPLITS = ("train", "val")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -51,30 +53,32 @@ class Listing:
 
 @dataclass
 class IndexTable:
-    """Classes in label order and, per split, a frame of `path` (under the root) and `label`."""
+    """Classes in label order and, per split, its rows packed (`Split`: paths under the root, labels)."""
 
     classes: list[str]
     descriptions: list[str]
-    splits: dict[str, pd.DataFrame]
+    splits: dict[str, Split]
     problems: list[dict[str, str]] = field(default_factory=list)
     unsafe: list[str] = field(default_factory=list)  # `file: column 'value'`; not saved
 
     def save(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        meta = {"classes": self.classes, "descriptions": self.descriptions}
-        (folder / "classes.json").write_text(json.dumps(meta))
-        for name, frame in self.splits.items():
-            frame.to_csv(folder / f"{name}.csv", index=False)
+        """The launcher's hand-off: classes.json and per split three .npy files (see `Split`)."""
+        write_text(folder / "classes.json", json.dumps({"classes": self.classes,
+                                                        "descriptions": self.descriptions}))
+        for name, split in self.splits.items():
+            split.save(folder, name)
 
     @classmethod
     def load(cls, folder: Path) -> IndexTable:
+        """Each rank's copy: memory-mapped, so no row becomes a Python object."""
         meta = json.loads((folder / "classes.json").read_text())
-        splits = {
-            name: pd.read_csv(folder / f"{name}.csv", dtype={"path": str, "label": "int64"})
-            for name in SPLITS
-            if (folder / f"{name}.csv").exists()
-        }
+        splits = {name: Split.load(folder, name) for name in SPLITS if Split.saved(folder, name)}
         return cls(meta["classes"], meta["descriptions"], splits)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Images and distinct classes per split, as `datasets show` and `datasets check` report them."""
+        return {name: {"images": len(split), "classes": split.classes()}
+                for name, split in self.splits.items()}
 
 
 def build_index(
@@ -113,7 +117,7 @@ def build_index(
                      for path in paths[unknown_of[synset.codes]]]
         labels = label_of[synset.codes]  # code -1 (a missing synset) picks the trailing -1/True
         chosen = labels >= 0
-        out[split] = pd.DataFrame({"path": paths[chosen], "label": labels[chosen]})
+        out[split] = Split.of(paths[chosen], labels[chosen])
     return IndexTable([synsets[i] for i in keep], [descriptions[i] for i in keep], out, problems,
                       listing.unsafe)
 

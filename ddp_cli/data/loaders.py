@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import fsspec
 import numpy as np
-import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ddp_cli.config import DataConfig
 from ddp_cli.data.images import BadImage, EncodedImage, open_image
 from ddp_cli.data.layouts import IndexTable
+from ddp_cli.data.packed import Split
 from ddp_cli.data.storage import FileReader, UnsafePath
 from ddp_cli.data.transforms import TrainTransform, ValTransform
 from ddp_cli.errors import DataError
@@ -88,14 +88,15 @@ class ImageDataset(Dataset):
     - `error`: a message for the trainer to raise: a bad file under "error", or a
       storage failure (credentials, network) under either policy.
     So a loader process never dies with a traceback, and every rank learns of a
-    bad file the same way.
+    bad file the same way. The index stays packed (`Split`): reading a row
+    touches no per-row Python object, so forked loader processes share its pages.
     """
 
     def __init__(
         self,
         fs: fsspec.AbstractFileSystem,
         root: str,
-        table: pd.DataFrame,
+        split: Split,
         transform: Callable,
         on_bad_image: str = "error",
         out_size: int = 224,
@@ -103,8 +104,7 @@ class ImageDataset(Dataset):
     ) -> None:
         self.reader = FileReader(fs, root, cache_dir)
         self.transform = transform
-        self.paths = table["path"].tolist()
-        self.labels = table["label"].tolist()
+        self.paths, self.labels = split.paths, split.labels
         self.on_bad_image, self.out_size = on_bad_image, out_size
 
     def __len__(self) -> int:
@@ -119,7 +119,7 @@ class ImageDataset(Dataset):
             candidate = (index + attempt * 7919) % len(self.paths)  # a prime stride
             where = f"{self.reader.root}/{self.paths[candidate]}"
             try:
-                return self.load(candidate), self.labels[candidate], "\n".join(skipped), ""
+                return self.load(candidate), int(self.labels[candidate]), "\n".join(skipped), ""
             except BadImage as e:
                 if self.on_bad_image == "error":
                     return self.failed(index, f"bad image {where}: {e} "
@@ -132,7 +132,7 @@ class ImageDataset(Dataset):
 
     def failed(self, index: int, message: str):
         blank = torch.zeros(self.out_size, self.out_size, 3, dtype=torch.uint8)
-        return blank, self.labels[index], "", message
+        return blank, int(self.labels[index]), "", message
 
 
 class EpochItems(Dataset):

@@ -6,7 +6,6 @@ import io
 
 import fsspec
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from PIL import Image
@@ -15,6 +14,7 @@ from torchvision.transforms import CenterCrop, RandomResizedCrop, Resize
 
 from ddp_cli.data.images import BadImage, decode, decode_rgb, open_image
 from ddp_cli.data.loaders import ImageDataset, requested, skipped_files
+from ddp_cli.data.packed import Split
 from ddp_cli.data.transforms import (
     MEAN,
     STD,
@@ -81,10 +81,11 @@ def test_png_named_jpeg_loads_through_the_dataset(tmp_path):
     (tmp_path / "n0").mkdir()
     Image.new("RGB", (30, 30), (10, 20, 200)).save(tmp_path / "n0" / "x.JPEG", format="PNG")
     assert (tmp_path / "n0" / "x.JPEG").read_bytes()[:4] == b"\x89PNG"
-    table = pd.DataFrame({"path": ["n0/x.JPEG"], "label": [4]})
+    table = Split.of(["n0/x.JPEG"], [4])
     dataset = ImageDataset(fsspec.filesystem("file"), str(tmp_path), table, ValTransform(8, 10))
     image, label, skipped, error = dataset[0]
     assert (error, label, skipped) == ("", 4, "")
+    assert type(label) is int  # not a numpy uint8: a batch of labels collates to int64
     assert tuple(image.shape) == (8, 8, 3)
     assert (image[..., 2] > 190).all()
 
@@ -197,7 +198,7 @@ def write_files(root, names_and_bytes):
 def mixed_folder(tmp_path):
     good = encode(Image.new("RGB", (40, 40), (200, 30, 30)), "JPEG", quality=95)
     write_files(tmp_path, {"a.JPEG": good, "bad.JPEG": b"garbage, not a jpeg", "c.JPEG": good})
-    table = pd.DataFrame({"path": ["a.JPEG", "bad.JPEG", "c.JPEG", "gone.JPEG"], "label": [0, 1, 2, 3]})
+    table = Split.of(["a.JPEG", "bad.JPEG", "c.JPEG", "gone.JPEG"], [0, 1, 2, 3])
     return tmp_path, table
 
 
@@ -212,7 +213,7 @@ def test_skip_policy_replaces_a_bad_file_and_counts_it(mixed_folder):
         assert tuple(image.shape) == (16, 16, 3)
         assert image[..., 0].float().mean() > 150  # a real (red) image, not the blank
         replacement = (index + 7919) % len(table)
-        assert label == table["label"][replacement]
+        assert label == table.labels[replacement]
     assert dataset[0][2] == ""
 
 

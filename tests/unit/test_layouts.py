@@ -7,15 +7,21 @@ import shutil
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pandas as pd
 import pytest
 from synthetic import make_imagefolder, make_imagenet_loc
 
 from ddp_cli.data import demo
 from ddp_cli.data.layouts import LOC_TRAIN_LIST, IndexTable, build_index, infer_layout
+from ddp_cli.data.packed import Split
 from ddp_cli.errors import ConfigError, DataError
 
 FS = fsspec.filesystem("file")
+
+
+def rows(split: Split) -> list[tuple[str, int]]:
+    return list(zip(split.paths, split.labels.tolist(), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -28,39 +34,37 @@ def test_demo_sizes_and_classes(demo_index):
     assert len(demo_index.splits["val"]) == 359
     assert demo_index.classes == list(demo.SYNSETS)
     assert demo_index.descriptions == [f"digit {n}" for n in demo.NAMES]
-    for frame in demo_index.splits.values():
-        assert sorted(frame["label"].unique()) == list(range(10))
+    for split in demo_index.splits.values():
+        assert np.unique(split.labels).tolist() == list(range(10))
     assert demo_index.problems == []
 
 
 def test_demo_index_points_at_existing_files(demo_root, demo_index):
-    for frame in demo_index.splits.values():
-        assert all((demo_root / p).is_file() for p in frame["path"])
+    for split in demo_index.splits.values():
+        assert all((demo_root / p).is_file() for p in split.paths)
     on_disk = {p.relative_to(demo_root).as_posix() for p in demo_root.rglob("*.JPEG")}
-    indexed = set(demo_index.splits["train"]["path"]) | set(demo_index.splits["val"]["path"])
+    indexed = set(demo_index.splits["train"].paths) | set(demo_index.splits["val"].paths)
     assert indexed == on_disk
 
 
 def test_demo_train_labels_are_the_synset_folders(demo_index):
-    train = demo_index.splits["train"]
-    folders = train["path"].str.split("/").str[-2]
-    assert (folders == train["label"].map(lambda i: demo_index.classes[i])).all()
-    assert train["path"].str.startswith("ILSVRC/Data/CLS-LOC/train/").all()
+    for path, label in rows(demo_index.splits["train"]):
+        assert path.split("/")[-2] == demo_index.classes[label]
+        assert path.startswith("ILSVRC/Data/CLS-LOC/train/")
 
 
 def test_demo_val_labels_are_the_first_synset_of_the_solution(demo_root, demo_index):
     csv = pd.read_csv(demo_root / "LOC_val_solution.csv")
     expected = {f"ILSVRC/Data/CLS-LOC/val/{i}.JPEG": s.split()[0]
                 for i, s in zip(csv["ImageId"], csv["PredictionString"], strict=True)}
-    val = demo_index.splits["val"]
-    got = {p: demo_index.classes[label] for p, label in zip(val["path"], val["label"], strict=True)}
+    got = {p: demo_index.classes[label] for p, label in rows(demo_index.splits["val"])}
     assert got == expected
 
 
 def test_train_solution_lists_half_but_index_has_all(demo_root, demo_index):
     boxed = pd.read_csv(demo_root / "LOC_train_solution.csv")
     assert 600 < len(boxed) < 840  # about half of 1438: the Kaggle trap
-    train_ids = set(demo_index.splits["train"]["path"].str.split("/").str[-1].str.removesuffix(".JPEG"))
+    train_ids = {p.split("/")[-1].removesuffix(".JPEG") for p in demo_index.splits["train"].paths}
     assert set(boxed["ImageId"]) < train_ids
     assert len(train_ids) == 1438
 
@@ -110,21 +114,18 @@ def test_class_subset_first_n(demo_index, demo_root):
     sub = build_index(FS, str(demo_root), "imagenet-loc", classes=3)
     assert sub.classes == list(demo.SYNSETS[:3])
     assert sub.descriptions == ["digit zero", "digit one", "digit two"]
-    for split, frame in sub.splits.items():
-        full = demo_index.splits[split]
-        expected = full[full["label"] < 3].reset_index(drop=True)
-        pd.testing.assert_frame_equal(frame, expected)
+    for name, split in sub.splits.items():
+        assert rows(split) == [(p, label) for p, label in rows(demo_index.splits[name]) if label < 3]
 
 
 def test_class_subset_by_synset_and_description_relabels(demo_index, demo_root):
     sub = build_index(FS, str(demo_root), "imagenet-loc", classes=["n09000007", "digit two"])
     assert sub.classes == ["n09000007", "n09000002"]
-    for split, frame in sub.splits.items():
-        assert set(frame["label"]) == {0, 1}
-        full = demo_index.splits[split]
-        assert len(frame) == int(full["label"].isin([7, 2]).sum())
-        full_labels = frame["path"].map(dict(zip(full["path"], full["label"], strict=True)))
-        assert (full_labels.map({7: 0, 2: 1}) == frame["label"]).all()
+    for name, split in sub.splits.items():
+        assert set(split.labels.tolist()) == {0, 1}
+        relabelled = {7: 0, 2: 1}
+        assert rows(split) == [(p, relabelled[label]) for p, label in rows(demo_index.splits[name])
+                               if label in relabelled]
 
 
 def test_unknown_class_name_is_a_config_error(demo_root):
@@ -153,21 +154,19 @@ def demo_without_listing(demo_root, tmp_path_factory) -> Path:
 def test_listing_train_folders_finds_the_same_images(demo_index, demo_without_listing):
     listed = build_index(FS, str(demo_without_listing), "imagenet-loc")
     assert listed.classes == demo_index.classes
-    with_file = demo_index.splits["train"].sort_values("path", ignore_index=True)
-    without = listed.splits["train"].sort_values("path", ignore_index=True)
-    pd.testing.assert_frame_equal(without, with_file)
-    pd.testing.assert_frame_equal(listed.splits["val"], demo_index.splits["val"])
+    assert sorted(rows(listed.splits["train"])) == sorted(rows(demo_index.splits["train"]))
+    assert listed.splits["val"] == demo_index.splits["val"]
 
 
 def test_train_index_order_does_not_depend_on_train_cls(demo_index, demo_without_listing):
     """Same data set, same seed, same samples per step: the row order must not depend on the source."""
     listed = build_index(FS, str(demo_without_listing), "imagenet-loc").splits["train"]
     from_file = demo_index.splits["train"]
-    pairs = zip(listed["path"], from_file["path"], strict=True)
+    pairs = zip(listed.paths, from_file.paths, strict=True)
     first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-    assert first is None, (f"train row {first}: {listed['path'][first]} when listing the folders, "
-                           f"{from_file['path'][first]} from train_cls.txt")
-    assert list(listed["label"]) == list(from_file["label"])
+    assert first is None, (f"train row {first}: {listed.paths[first]} when listing the folders, "
+                           f"{from_file.paths[first]} from train_cls.txt")
+    assert listed.labels.tolist() == from_file.labels.tolist()
 
 
 def test_synthetic_loc_with_and_without_listing(tmp_path):
@@ -175,10 +174,9 @@ def test_synthetic_loc_with_and_without_listing(tmp_path):
     make_imagenet_loc(tmp_path / "b", classes=3, train_per_class=5, val=7, train_list=False)
     a = build_index(FS, str(tmp_path / "a"), "imagenet-loc")
     b = build_index(FS, str(tmp_path / "b"), "imagenet-loc")
-    for split in ("train", "val"):
-        pd.testing.assert_frame_equal(a.splits[split], b.splits[split])
+    assert a.splits == b.splits
     assert len(a.splits["train"]) == 15
-    assert list(a.splits["val"]["label"]) == [i % 3 for i in range(7)]
+    assert a.splits["val"].labels.tolist() == [i % 3 for i in range(7)]
 
 
 def test_val_row_with_unknown_synset_is_reported_and_dropped(tmp_path):
@@ -200,14 +198,12 @@ def test_imagefolder_layout(tmp_path):
     assert index.descriptions == index.classes
     assert len(index.splits["train"]) == 12
     assert len(index.splits["val"]) == 6
-    for frame in index.splits.values():
-        folders = frame["path"].str.split("/").str[-2]
-        assert (folders == frame["label"].map(lambda i: f"class_{i}")).all()
-    assert not index.splits["train"]["path"].str.endswith(".txt").any()
+    for split in index.splits.values():
+        assert all(path.split("/")[-2] == f"class_{label}" for path, label in rows(split))
+    assert not any(path.endswith(".txt") for path in index.splits["train"].paths)
     sub = build_index(FS, str(tmp_path), "imagefolder", classes=["class_2"])
     assert sub.classes == ["class_2"]
-    assert list(sub.splits["val"]["path"]) == ["val/class_2/img_0.jpg", "val/class_2/img_1.jpg"]
-    assert set(sub.splits["val"]["label"]) == {0}
+    assert rows(sub.splits["val"]) == [("val/class_2/img_0.jpg", 0), ("val/class_2/img_1.jpg", 0)]
 
 
 def test_index_table_save_load_round_trip(tmp_path):
@@ -217,10 +213,13 @@ def test_index_table_save_load_round_trip(tmp_path):
     loaded = IndexTable.load(tmp_path / "cache")
     assert loaded.classes == ["n00001002", "n00001000"]
     assert loaded.descriptions == ["class 2, thing 2", "class 0, thing 0"]
+    assert loaded.splits == index.splits  # same paths, labels and order
     assert set(loaded.splits) == {"train", "val"}
-    for split in ("train", "val"):
-        pd.testing.assert_frame_equal(loaded.splits[split], index.splits[split])
     assert len(loaded.splits["train"]) == 6
+    for split in loaded.splits.values():
+        assert split.labels.dtype == np.uint8  # two classes
+        assert isinstance(split.labels.base, np.memmap)  # read from the page cache, not copied
+        assert isinstance(split.paths.data.base, np.memmap)
 
 
 def test_unknown_layout_is_a_config_error_naming_it_and_the_known_ones(tmp_path):

@@ -204,7 +204,7 @@ def test_auto_layout_is_settled_when_the_root_is_opened(isolated, make, layout):
     dataset = load_registry(write_julia_registry(isolated, {"d": isolated / "root"})).get("d")
     fs, root = dataset.open()
     assert dataset.layout == layout
-    assert build_index(fs, root, dataset.layout).splits["train"].shape[0] > 0
+    assert len(build_index(fs, root, dataset.layout).splits["train"]) > 0
 
 
 def test_auto_layout_of_an_unrecognised_root_is_a_data_error_naming_it(isolated):

@@ -62,7 +62,7 @@ def test_a_name_whose_dots_stay_inside_its_folder_is_normalised_not_refused(root
     append_line(root / LOC_TRAIN_LIST, "n00001001/extra/../n00001001_0 99")
     index = build_index(FS, str(root), "imagenet-loc", on_bad_image="error")
     assert index.unsafe == []
-    paths = list(index.splits["train"]["path"])
+    paths = list(index.splits["train"].paths)
     assert paths.count("ILSVRC/Data/CLS-LOC/train/n00001001/n00001001_0.JPEG") == 2
 
 

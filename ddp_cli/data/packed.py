@@ -1,0 +1,104 @@
+"""A split's rows as flat buffers, so forked processes read the index without copying it.
+
+A Python `str` is an object with a reference count: a DataLoader process that
+merely reads one writes to its page, and the kernel copies that page out of the
+forked parent (PyTorch issue #13246). Over a 1.28 M-row index each loader
+process ends up with its own copy, ~165 MB. Packed, the paths are one UTF-8
+buffer and its offsets, the labels one small-int array: no per-row object, so
+nothing is written on access and the pages stay shared. Saved as .npy files and
+loaded memory-mapped, they are page cache, shared by every rank of the node too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ddp_cli.io import atomic_write
+
+ENCODING, ERRORS = "utf-8", "surrogatepass"  # any str round-trips, lone surrogates included
+
+
+class PackedStrings(Sequence[str]):
+    """Strings as one uint8 buffer and int64 offsets; item i is decoded on access."""
+
+    def __init__(self, data: np.ndarray, offsets: np.ndarray) -> None:
+        self.data, self.offsets = data, offsets
+
+    @classmethod
+    def pack(cls, strings: Iterable[str]) -> PackedStrings:
+        encoded = [s.encode(ENCODING, ERRORS) for s in strings]
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
+        return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> str:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} strings")
+        index %= n
+        return self.data[self.offsets[index]:self.offsets[index + 1]].tobytes().decode(ENCODING, ERRORS)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedStrings):
+            return NotImplemented
+        return np.array_equal(self.offsets, other.offsets) and np.array_equal(self.data, other.data)
+
+    def __repr__(self) -> str:
+        return f"PackedStrings({len(self)} strings, {len(self.data)} bytes)"
+
+
+@dataclass(frozen=True, eq=False)
+class Split:
+    """One split of an index: row i is the image at `paths[i]` (under the root), of class `labels[i]`."""
+
+    paths: PackedStrings
+    labels: np.ndarray
+
+    @classmethod
+    def of(cls, paths: Iterable[str], labels: Sequence[int] | np.ndarray) -> Split:
+        labels = np.asarray(labels)
+        return cls(PackedStrings.pack(paths), labels.astype(smallest_int(labels)))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __eq__(self, other: object) -> bool:
+        """Exactly the same rows in the same order (label dtypes may differ)."""
+        if not isinstance(other, Split):
+            return NotImplemented
+        return self.paths == other.paths and np.array_equal(self.labels, other.labels)
+
+    def classes(self) -> int:
+        """How many distinct labels the split holds."""
+        return len(np.unique(self.labels))
+
+    def save(self, folder: Path, name: str) -> None:
+        parts = {"paths": self.paths.data, "offsets": self.paths.offsets, "labels": self.labels}
+        for part, array in parts.items():
+            atomic_write(folder / f"{name}-{part}.npy", lambda f, a=array: np.save(f, a))
+
+    @classmethod
+    def load(cls, folder: Path, name: str) -> Split:
+        """Memory-mapped, read-only: pages come from the page cache, shared by every process."""
+        def part(which: str) -> np.ndarray:
+            return np.asarray(np.load(folder / f"{name}-{which}.npy", mmap_mode="r"))
+
+        return cls(PackedStrings(part("paths"), part("offsets")), part("labels"))
+
+    @staticmethod
+    def saved(folder: Path, name: str) -> bool:
+        return (folder / f"{name}-labels.npy").exists()
+
+
+def smallest_int(values: np.ndarray) -> np.dtype:
+    """The smallest integer dtype that holds every value (uint8 for none)."""
+    if not len(values):
+        return np.dtype(np.uint8)
+    return np.result_type(np.min_scalar_type(values.min()), np.min_scalar_type(values.max()))
