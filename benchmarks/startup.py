@@ -3,7 +3,7 @@
     python benchmarks/startup.py [--folder DIR] [--model resnet50] [--batch-size 8]
                                  [--workers 2] [--nproc 1] [--repeat 3]
 
-Writes the metadata of real ImageNet size (benchmarks/index_speed.py: 1,281,167
+Writes the metadata of real ImageNet size (ddp_cli/bench/metadata.py: 1,281,167
 train rows, 50,000 val rows, 1,000 classes) and an image store in which every
 listed path is a hard link to one 400x300 JPEG (links cost no inode and no
 data; about 20 us each, so ~30 s once: pass --folder to keep the store between
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from index_speed import write_metadata
 from PIL import Image
 
+from ddp_cli.bench.metadata import write_metadata
 from ddp_cli.data.layouts import LOC_TRAIN_LIST
 from ddp_cli.observe.sinks import read_metrics
 
