@@ -14,9 +14,10 @@ spawned rank process:
 Figures are USS (pages only that process maps, psutil): of the rank before and
 after it loads the index and builds the dataset, and of each loader process
 after its first batch (a warm-up epoch of one batch each) and after the full
-pass. A
-Python object read by a forked process is written (its reference count), so
-its page is copied out of the parent: that copy is what grows with the pass.
+pass. A Python object read by a forked process is written (its reference
+count), so its page is copied out of the rank: that copy is what grows with
+the pass. (Both forms run with the loader processes' `gc.freeze()`, so the
+cyclic GC's own writes to the rank's objects are not in either figure.)
 """
 
 from __future__ import annotations

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 
 import fsspec
 import numpy as np
 import pytest
+from torch.utils.data import Dataset
 
 from ddp_cli.data.layouts import IndexTable
-from ddp_cli.data.loaders import ImageDataset
+from ddp_cli.data.loaders import ImageDataset, ShardSampler, make_loader
 from ddp_cli.data.packed import PackedStrings, Split
 from ddp_cli.data.transforms import ValTransform
 
@@ -82,3 +84,19 @@ def test_image_dataset_holds_the_packed_rows_not_python_lists(tmp_path):
     assert not [name for name, value in vars(dataset).items() if isinstance(value, list | tuple | dict)]
     assert dataset.paths is split.paths and dataset.labels is split.labels
     assert len(dataset) == 2
+
+
+class FreezeCount(Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        return gc.get_freeze_count()
+
+
+def test_loader_processes_keep_the_objects_they_inherit_out_of_the_gc():
+    """A collection in a loader process would write to, and so copy, every page of the rank's objects."""
+    sampler = ShardSampler(2, 0, 1, shuffle=False)
+    loader = make_loader(FreezeCount(), sampler, 2, 1, 2, pin_memory=False, drop_last=False, seed=0)
+    (counts,) = list(loader)
+    assert counts.min() > 1000
