@@ -54,7 +54,8 @@ def test_metrics_jsonl_and_csv_agree(run):
     records = read_metrics(run_dir / "metrics.jsonl")
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("time,epoch,step,split,loss")
-    assert len(rows) - 1 == len(records) == 2 * 2 + 2  # two train records and one val per epoch
+    assert [r["split"] for r in records].count("startup") == 1  # once, at the first step
+    assert len(rows) - 1 == len(records) == 1 + 2 * 2 + 2  # and two train records and one val per epoch
 
 
 def test_tensorboard_event_files_hold_the_curves(run):
