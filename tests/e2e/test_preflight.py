@@ -148,7 +148,7 @@ def test_dry_run_and_train_refuse_alike_before_any_worker(case, registry, tripwi
 def test_a_good_config_gets_through_to_the_workers(registry, tripwire, monkeypatch, capsys, tmp_path):
     """The tripwire trips for a config preflight accepts: the table's refusals are preflight's."""
     monkeypatch.setattr(commands, "read_result", lambda folder: {})
-    monkeypatch.setattr(sys, "argv", ["ddp", "train", DEMO, "--registry", str(registry), "--quiet",
+    monkeypatch.setattr(sys, "argv", ["ddp", "train", DEMO, "--registry", str(registry), "--json",
                                       "--run-dir", str(tmp_path / "run")])
     for name, value in CLI_ENV.items():
         monkeypatch.setenv(name, value)
