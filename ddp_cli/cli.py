@@ -106,7 +106,8 @@ def train(
     run_dir: Annotated[Path | None, typer.Option(
         help="Run directory (else runs/NAME-YYYYmmdd-HHMMSS).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option(min=1, help="Workers on this node.")] = None,
-    nnodes: Annotated[int, typer.Option(min=1, help="Nodes in the job.")] = 1,
+    nnodes: Annotated[str, typer.Option(
+        help="Nodes in the job: N, or MIN:MAX to go on with fewer after a node is lost.")] = "1",
     node_rank: Annotated[int, typer.Option(min=0, help="This node's rank.")] = 0,
     rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous.")] = None,
     rdzv_id: Annotated[str | None, typer.Option(help="Job id shared by all nodes.")] = None,
@@ -125,17 +126,26 @@ def train(
     * `ddp train configs/resnet34.toml --dry-run`
     * `ddp train configs/demo.toml --json --quiet | tail -1`
     * `ddp train cfg.toml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --rdzv-id job1`
+    * `ddp train cfg.toml --nnodes 1:2 --max-restarts 3 --rdzv-endpoint node0:29400 --rdzv-id job1`
     """
-    from ddp_cli import commands
-    from ddp_cli.run.launch import LaunchOptions, with_environment
+    from ddp_cli.config import load_config
+    from ddp_cli.indexing import IndexBuild
 
-    opts = with_environment(LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id,
-                                          max_restarts))
-    if dry_run:
-        result = commands.plan(config, set_ or [], registry, opts, resume)
-        emit(result, as_json, lambda: print_mapping("plan", result))
-        return
-    result = commands.train(config, set_ or [], registry, run_dir, opts, resume, quiet or as_json)
+    cfg = load_config(config, set_ or [])
+    # the index builds in a process of its own while this one imports torch (under an external
+    # torchrun only rank 0 needs it)
+    with IndexBuild.begin(cfg, registry, fork=os.environ.get("RANK", "0") == "0") as build:
+        from ddp_cli import commands
+        from ddp_cli.run.launch import LaunchOptions, with_environment
+
+        opts = with_environment(LaunchOptions(
+            nproc_per_node, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+            max_restarts=max_restarts, **LaunchOptions.nodes(nnodes)))
+        if dry_run:
+            plan = commands.plan(cfg, build, opts, resume)
+            emit(plan, as_json, lambda: print_mapping("plan", plan))
+            return
+        result = commands.train(cfg, build, run_dir, opts, resume, quiet or as_json)
     if result:
         emit(result, as_json, lambda: print_train_summary(result))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 import tempfile
 from collections.abc import Callable
 from datetime import datetime
@@ -13,7 +15,9 @@ import torch.distributed as dist
 from ddp_cli.config import RunConfig, config_from_dict, load_config
 from ddp_cli.data.layouts import build_index
 from ddp_cli.distributed.setup import setup
-from ddp_cli.errors import WorkerFailed
+from ddp_cli.errors import PEER_LOST, PeerLost, WorkerFailed
+from ddp_cli.indexing import IndexBuild, resolve_dataset
+from ddp_cli.models import import_builders
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.plan import describe
 from ddp_cli.preflight import (
@@ -21,15 +25,14 @@ from ddp_cli.preflight import (
     joined_workers,
     launch_workers,
     preflight,
-    resolve_dataset,
     resolve_loaders,
     validation_workers,
 )
 from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.jobs import Job, prepare_job, read_result
-from ddp_cli.run.launch import LaunchOptions, external_launcher, launch
+from ddp_cli.run.launch import LaunchOptions, external_launcher, launch, single_threaded
 from ddp_cli.run.worker import run_job
-from ddp_cli.train.checkpoint import load_checkpoint
+from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -43,31 +46,59 @@ def prepare_run(run: Preflight, run_dir: Path | None, quiet: bool) -> Path:
     return folder
 
 
-def train(config: Path, overrides: list[str], registry: str | None, run_dir: Path | None,
-          opts: LaunchOptions, resume: str, quiet: bool) -> dict[str, Any]:
-    """Check, hand off, launch; the result with where start-up time went (`StartupClock`)."""
+def train(cfg: RunConfig, build: IndexBuild, run_dir: Path | None, opts: LaunchOptions, resume: str,
+          quiet: bool) -> dict[str, Any]:
+    """Check, hand off, launch; the result with where start-up time went (`StartupClock`). The index
+    builds beside (`build`): meanwhile this process imports what building the model needs."""
+    import_builders(cfg.model.name)
     startup = StartupClock()
     startup.mark("imports")
-    cfg = load_config(config, overrides)
-    startup.mark("config")
     if external_launcher():
-        return train_under_torchrun(cfg, registry, run_dir, resume, quiet, startup)
-    run = preflight(cfg, registry, launch_workers(cfg, opts), resume, startup)
+        return train_under_torchrun(cfg, build, run_dir, resume, quiet, startup)
+    single_threaded()
+    run = preflight(cfg, build.registry, launch_workers(cfg, opts), resume, startup, build)
     folder = prepare_run(run, run_dir, quiet)
     startup.mark("hand_off")
     startup.hand_over()
-    launch(folder, run.workers.nproc, opts, cfg.distributed)
-    return {**read_result(folder), "data_workers": run.loaders.as_dict()}
+    try:
+        start = launch(folder, run.workers.nproc, opts, cfg.distributed)
+    except WorkerFailed as e:
+        if e.exit_code == PEER_LOST:
+            raise PeerLost(f"{e}; {how_to_go_on(folder)}") from None
+        raise
+    return {**read_result(folder), "data_workers": run.loaders.as_dict(), "worker_start": start}
 
 
-def train_under_torchrun(cfg: RunConfig, registry: str | None, run_dir: Path | None,
+def how_to_go_on(folder: Path, argv: list[str] | None = None) -> str:
+    """What is safe after a lost node, and the command that resumes from it."""
+    newest = CheckpointStore(folder / "checkpoints", 1).latest_valid()
+    kept = f"{newest} is the newest valid checkpoint" if newest else "no checkpoint was written yet"
+    return f"{kept}; to go on, run on every node (each with its own --node-rank): " + \
+        resume_command(sys.argv[1:] if argv is None else argv, folder)
+
+
+def resume_command(argv: list[str], folder: Path) -> str:
+    """This `ddp` command line, pointed at its run dir with --resume auto (a rerun without --run-dir
+    would start a new run dir, and fresh)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--run-dir", "--resume"):
+            skip = True
+        elif not arg.startswith(("--run-dir=", "--resume=")):
+            kept.append(arg)
+    return shlex.join(["ddp", *kept, "--run-dir", str(folder), "--resume", "auto"])
+
+
+def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | None,
                          resume: str, quiet: bool, startup: StartupClock) -> dict[str, Any]:
     """Started by an external torchrun: rank 0 checks and prepares the run dir, every rank trains."""
     ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
     startup.mark("process_group")
     folder, run = [None], None
     if ctx.is_main:
-        run = preflight(cfg, registry, joined_workers(cfg, ctx), resume, startup)
+        run = preflight(cfg, build.registry, joined_workers(cfg, ctx), resume, startup, build)
         folder[0] = str(prepare_run(run, run_dir, quiet))
         startup.mark("hand_off")
     dist.broadcast_object_list(folder, src=0)
@@ -77,16 +108,15 @@ def train_under_torchrun(cfg: RunConfig, registry: str | None, run_dir: Path | N
     return {**read_result(Path(folder[0])), "data_workers": run.loaders.as_dict()} if run else {}
 
 
-def plan(config: Path, overrides: list[str], registry: str | None, opts: LaunchOptions,
-         resume: str) -> dict[str, Any]:
+def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) -> dict[str, Any]:
     """--dry-run: the checks `train` makes before starting workers, and the plan they computed."""
-    cfg = load_config(config, overrides)
-    return describe(preflight(cfg, registry, launch_workers(cfg, opts), resume))
+    return describe(preflight(cfg, build.registry, launch_workers(cfg, opts), resume, build=build))
 
 
 def validate(checkpoint: Path, config: Path | None, dataset: str | None, registry: str | None,
              opts: LaunchOptions, batch_size: int | None, quiet: bool) -> dict[str, Any]:
     """Evaluate a checkpoint on the whole val split with any number of workers."""
+    single_threaded()
     state = load_checkpoint(checkpoint)
     cfg = load_config(config) if config else config_from_dict(state["config"], str(checkpoint))
     cfg.model.weights = None  # the checkpoint's weights are evaluated, not the run's starting point

@@ -232,6 +232,10 @@ class DistributedConfig(Section):
     rdzv_timeout_s: int = Field(
         120, ge=1, description="How long nodes wait for each other (and for the endpoint) to rendezvous."
     )
+    rdzv_last_call_s: int = Field(
+        30, ge=0, description="With --nnodes MIN:MAX: once MIN nodes are in, how long the rendezvous "
+        "waits for more (after a node is lost, the survivors wait this long before going on without it).",
+    )
     max_restarts: int = Field(0, ge=0, description="Elastic restarts of the worker group on failure.")
     stop_grace_s: int = Field(
         120, ge=1, description="On SIGTERM/SIGINT, how long workers get to finish the step and "

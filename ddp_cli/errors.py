@@ -11,6 +11,7 @@ INTERNAL = 1
 USAGE = 2
 DATA = 3
 DIVERGED = 4
+PEER_LOST = 5
 SIGINT = 130
 SIGTERM = 143
 
@@ -42,6 +43,12 @@ class DivergedError(DdpError):
     """Non-finite loss; the last good checkpoint is kept."""
 
     exit_code = DIVERGED
+
+
+class PeerLost(DdpError):
+    """A rank or node was lost (its process or connection gone) or stopped answering (timed out)."""
+
+    exit_code = PEER_LOST
 
 
 class WorkerFailed(DdpError):

@@ -14,8 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
 from ddp_cli.errors import DataError
 
 CHECKPOINT_FORMAT = 1  # the marker a ddp checkpoint carries as its "format" key
@@ -79,7 +77,12 @@ def sha256_of(path: Path) -> str:
 
 
 def load_plain(path: Path) -> Any:
-    """Load with `weights_only=True`: tensors, numbers, strings and containers, nothing else."""
+    """Load with `weights_only=True`: tensors, numbers, strings and containers, nothing else.
+
+    torch is imported here, not at the top: the index build reads and writes files through this
+    module in a process that must not import torch (`indexing.IndexBuild`)."""
+    import torch
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

@@ -75,6 +75,13 @@ def known_models() -> list[str]:
     return sorted([TINY, *torchvision.models.list_models(module=torchvision.models)])
 
 
+def import_builders(name: str) -> None:
+    """Import now what building model `name` needs (torchvision: ~2 s), to pay for it while
+    something else runs (the launcher's index build)."""
+    if name != TINY:
+        import torchvision  # noqa: F401
+
+
 def fixed_size(name: str) -> bool:
     """ViT and MaxViT are built for one input size (position embeddings, attention windows)."""
     return name.startswith(("vit_", "maxvit_"))

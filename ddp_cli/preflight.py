@@ -20,13 +20,14 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.data.autotune import LoaderChoice, choose_loaders
-from ddp_cli.data.layouts import IndexTable, build_index
+from ddp_cli.data.layouts import IndexTable
 from ddp_cli.distributed.setup import DistContext, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
+from ddp_cli.indexing import IndexBuild
 from ddp_cli.models import check_model
 from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
-from ddp_cli.registry import DatasetEntry, load_registry
+from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
 from ddp_cli.train.optim import check_optimizer
 from ddp_cli.train.precision import resolve_precision
@@ -66,7 +67,7 @@ class Preflight:
 
 def launch_workers(cfg: RunConfig, opts: LaunchOptions) -> Workers:
     """The workers our own launch would start on this node."""
-    check_rendezvous(opts)
+    check_rendezvous(opts, cfg.distributed)
     return place_workers(cfg, resolve_nproc(opts, cfg.distributed), opts.nnodes)
 
 
@@ -84,15 +85,16 @@ def place_workers(cfg: RunConfig, nproc: int, nnodes: int) -> Workers:
 
 
 def preflight(cfg: RunConfig, registry: str | None, workers: Workers, resume: str = "never",
-              startup: StartupClock | None = None) -> Preflight:
+              startup: StartupClock | None = None, build: IndexBuild | None = None) -> Preflight:
     """Every check of a training run, cheapest first: the first failure is a ConfigError (exit 2)
-    or a DataError (exit 3), the same line whichever command met it. `startup` times its phases."""
+    or a DataError (exit 3), the same line whichever command met it. `startup` times its phases;
+    `build` is the index build begun before torch was imported (else it is built here)."""
     startup = startup or StartupClock()
     resume = checked_resume(resume)
     check_optimizer(cfg.optim)
     check_sync_batchnorm(cfg.model, workers.device)
     check_sinks(cfg.logging)
-    entry, index = resolve_dataset(cfg, registry)
+    entry, index = (build or IndexBuild(cfg, registry)).result()
     startup.mark("index")
     model = checked_model(cfg, len(index.classes))
     startup.mark("model_check")
@@ -102,21 +104,6 @@ def preflight(cfg: RunConfig, registry: str | None, workers: Workers, resume: st
     batches = len(index.splits["train"]) // workers.world_size // cfg.data.batch_size  # as a rank's loader
     return Preflight(cfg, entry, index, model, workers, loaders, resume, count_steps(batches, cfg.train),
                      global_batch, cfg.optim.effective_lr(global_batch))
-
-
-def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | None = None,
-                    splits: tuple[str, ...] = ("train", "val"),
-                    entry: DatasetEntry | None = None) -> tuple[DatasetEntry, IndexTable]:
-    """The registry entry (`data.dataset`, unless given) and its index table, built once per run here
-    in the launcher: a row naming an unsafe path stops the run here under on_bad_image = "error"."""
-    entry = entry or load_registry(registry).get(cfg.data.dataset)
-    fs, root = entry.open()
-    index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image)
-    for split, frame in index.splits.items():
-        if not len(frame):
-            raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "
-                              "(check data.classes and the root)")
-    return entry, index
 
 
 def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) -> tuple[Workers, nn.Module]:

@@ -94,18 +94,17 @@ class LiveRun:
         pytest.fail(f"never saw {text!r}:\n{''.join(self.lines)[-3000:]}")
 
     def workers(self) -> list[int]:
-        """PIDs of this run's worker processes (children of the launcher)."""
+        """PIDs of this run's worker processes: the launcher's children (forked or spawned)."""
         pids = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
                 stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.proc.pid and "ddp_cli.run.worker" in cmdline:
+            if ppid == self.proc.pid:
                 pids.append(int(entry.name))
         return sorted(pids)
 

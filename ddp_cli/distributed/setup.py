@@ -83,7 +83,7 @@ def setup(backend: str = "auto", timeout_s: int = 600) -> DistContext:
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
-            store=attempt_store(world_size, timeout),
+            store=agent_store(world_size, timeout),
             rank=rank,
             world_size=world_size,
             timeout=timeout,
@@ -92,19 +92,21 @@ def setup(backend: str = "auto", timeout_s: int = 600) -> DistContext:
     return DistContext(rank, world_size, local_rank, local_world, device, backend)
 
 
-def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
-    """The elastic agent's store, under a prefix of its own for each restart attempt.
+def agent_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """A client of the elastic agent's store, under a prefix of its own for each group of workers.
 
     The agent keeps one TCPStore for the whole job and torch's env:// join adds
-    no per-attempt prefix, so the workers of a restarted group could read the
+    no per-group prefix, so the workers of a restarted group could read the
     dead group's addresses (gloo then connects to a closed port: "Connection
-    refused", or hangs). None outside an elastic agent: env:// as usual.
+    refused", or hangs). A group is one restart count and world size: a
+    failure bumps the count; a node joining restarts the workers at the same
+    count but a larger world. None outside an elastic agent: env:// as usual.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT", 0), world_size,
                           is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"ddp/attempt-{env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    return dist.PrefixStore(f"ddp/attempt-{env_int('TORCHELASTIC_RESTART_COUNT', 0)}-{world_size}", store)
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -24,9 +25,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.setup import cuda_devices
-from ddp_cli.errors import INTERNAL, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
+from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
 from ddp_cli.run.jobs import clear_errors, first_error
-from ddp_cli.run.worker import LAUNCHED
+from ddp_cli.run.worker import LAUNCHED, forked
 
 SLURM_RDZV_PORT = 29400
 
@@ -36,11 +37,20 @@ class LaunchOptions:
     """The command-line side of a launch; None means "take it from the config"."""
 
     nproc_per_node: int | None = None
-    nnodes: int = 1
+    nnodes: int = 1  # the most nodes; with min_nodes below it, membership is elastic
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     max_restarts: int | None = None
+    min_nodes: int | None = None  # None: exactly nnodes
+
+    @classmethod
+    def nodes(cls, spec: str) -> dict[str, int | None]:
+        """`--nnodes N` or `--nnodes MIN:MAX` (torchrun's spelling) as nnodes and min_nodes."""
+        parts = spec.split(":")
+        if len(parts) > 2 or not all(p.isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[-1]):
+            raise ConfigError(f"--nnodes {spec}: expected N or MIN:MAX with 1 <= MIN <= MAX, e.g. 2 or 1:2")
+        return {"nnodes": int(parts[-1]), "min_nodes": int(parts[0]) if len(parts) == 2 else None}
 
 
 def external_launcher() -> bool:
@@ -99,10 +109,14 @@ def resolve_nproc(opts: LaunchOptions, cfg: DistributedConfig) -> int:
     return requested
 
 
-def check_rendezvous(opts: LaunchOptions) -> None:
-    """Nodes can only meet at an endpoint they all know."""
+def check_rendezvous(opts: LaunchOptions, cfg: DistributedConfig) -> None:
+    """Nodes can only meet at an endpoint they all know; an elastic job goes on only by restarting."""
     if opts.nnodes > 1 and not opts.rdzv_endpoint:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    restarts = cfg.max_restarts if opts.max_restarts is None else opts.max_restarts
+    if opts.min_nodes is not None and opts.min_nodes < opts.nnodes and not restarts:
+        raise ConfigError(f"--nnodes {opts.min_nodes}:{opts.nnodes}: the survivors of a lost node go on by "
+                          "restarting; add --max-restarts K (e.g. 3) or set distributed.max_restarts")
 
 
 def quiet_torch_logs() -> None:
@@ -116,30 +130,61 @@ def quiet_torch_logs() -> None:
     logging.getLogger("torch.distributed").setLevel(level)
 
 
-def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfig) -> None:
-    """Run the job on `nproc` local workers; raise `WorkerFailed` with the original exit code.
+WORKER_START = "DDP_WORKER_START"
+
+
+def single_threaded() -> None:
+    """The launcher computes nothing heavy: one thread keeps its OpenMP pool unstarted, which is
+    what makes forking workers from it safe (`worker_start`). Called before its first torch op."""
+    torch.set_num_threads(1)
+
+
+def worker_start() -> str:
+    """Fork the workers from this launcher where that is safe, else spawn them afresh.
+
+    A forked worker starts with torch, torchvision and ddp imported: 2.5-4.5 s
+    less per worker (BENCHMARKS.md, "Start-up at ImageNet scale"). Forking is
+    unsafe after CUDA was initialised (the driver is not fork-safe; counting GPUs
+    initialises it) and after a parallel OpenMP region ran (the child's first
+    parallel region then hangs; `single_threaded` prevents that). So: fork where
+    this node has no GPU and the launcher is single-threaded, spawn elsewhere or
+    when $DDP_WORKER_START = spawn.
+    """
+    if os.environ.get(WORKER_START) == "spawn" or cuda_devices() or torch.get_num_threads() != 1:
+        return "spawn"
+    return "fork"
+
+
+def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfig) -> str:
+    """Run the job on `nproc` local workers; how they were started (`worker_start`). Raises
+    `WorkerFailed` with the original exit code.
 
     The options were checked by preflight (`check_rendezvous`, `choose_backend`).
     """
     hosts = opts.node_rank == 0  # node 0 hosts the rendezvous store; the others connect to it
     config = LaunchConfig(
-        min_nodes=opts.nnodes,
+        min_nodes=opts.min_nodes or opts.nnodes,
         max_nodes=opts.nnodes,
         nproc_per_node=nproc,
         run_id=opts.rdzv_id or uuid.uuid4().hex,
         rdzv_backend="c10d",
         rdzv_endpoint=opts.rdzv_endpoint or "127.0.0.1:0",
         rdzv_configs={"is_host": hosts, "read_timeout": cfg.rdzv_timeout_s,
-                      "join_timeout": cfg.rdzv_timeout_s},
+                      "join_timeout": cfg.rdzv_timeout_s, "last_call_timeout": cfg.rdzv_last_call_s},
         max_restarts=cfg.max_restarts if opts.max_restarts is None else opts.max_restarts,
         monitor_interval=0.1,
         shutdown_timeout=cfg.stop_grace_s,
+        start_method=worker_start(),
     )
     quiet_torch_logs()
     clear_errors(job_dir)
     os.environ[LAUNCHED] = "1"  # workers leave the printing of errors to us
     try:
-        elastic_launch(config, sys.executable)("-m", "ddp_cli.run.worker", str(job_dir))
+        if config.start_method == "fork":
+            elastic_launch(config, forked)(str(job_dir))
+        else:
+            elastic_launch(config, sys.executable)("-m", "ddp_cli.run.worker", str(job_dir))
+        return config.start_method
     except ChildFailedError as e:
         raise failure(job_dir, e) from None
     except SignalException as e:  # the agent has already passed the signal on to the workers
@@ -172,7 +217,8 @@ def failure(job_dir: Path, err: ChildFailedError) -> WorkerFailed:
             if proc.exitcode < 0 and proc.exitcode != -signal.SIGTERM]
     if died:
         rank, proc = min(died, key=lambda kv: kv[1].timestamp)
-        return WorkerFailed(f"worker rank {rank} was killed by {proc.signal_name()}", INTERNAL)
+        return WorkerFailed(f"worker rank {rank} was killed by {proc.signal_name()} (the out-of-memory "
+                            "killer? see dmesg)", PEER_LOST)
     if recorded:
         return WorkerFailed(recorded["message"], recorded["exit_code"])
     rank, proc = min(err.failures.items(), key=lambda kv: kv[1].timestamp)

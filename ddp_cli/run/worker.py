@@ -1,4 +1,5 @@
-"""One worker process: `python -m ddp_cli.run.worker JOB_DIR`, started by the elastic agent.
+"""One worker process, started by the elastic agent: forked from the launcher (`forked`) or
+spawned as `python -m ddp_cli.run.worker JOB_DIR` (`main`); see `run.launch.worker_start`.
 
 The three ideas of the seeds, in order: prepare (join the group, build loaders
 and an identical model on every rank), train (Trainer.fit), and the gradient
@@ -8,7 +9,9 @@ averaging that DDP does inside every step.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -23,9 +26,10 @@ from torch import nn
 from ddp_cli.config import RunConfig
 from ddp_cli.data.layouts import IndexTable
 from ddp_cli.data.loaders import build_loaders
+from ddp_cli.distributed.heartbeat import Heartbeat, describe_loss
 from ddp_cli.distributed.setup import DistContext, seed_everything, setup, teardown
 from ddp_cli.distributed.signals import StopRequest, control_group
-from ddp_cli.errors import INTERNAL, SIGINT, ConfigError, DdpError
+from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, ConfigError, DdpError
 from ddp_cli.fastexit import exit_if_stuck, exit_now
 from ddp_cli.models import build_model, load_weights
 from ddp_cli.observe.console import RunConsole
@@ -174,11 +178,12 @@ def run_job(folder: Path, startup: StartupClock) -> int:
 
 def job_outcome(folder: Path, startup: StartupClock) -> int:
     """Run the job; its exit code, any failure recorded for the launcher."""
-    rank = int(os.environ.get("RANK", 0))
+    rank, ctx, pulse = int(os.environ.get("RANK", 0)), None, None
     try:
         cfg, entry, index, job = read_job(folder)
         startup.mark("read_job")
         ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
+        pulse = Heartbeat.start(ctx)
         startup.mark("process_group")
         result = (train_job(cfg, ctx, folder, entry, index, job, startup) if job.mode == "train"
                   else validate_job(cfg, ctx, folder, entry, index, job))
@@ -190,10 +195,12 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
     except KeyboardInterrupt:
         return SIGINT
     except Exception as e:
-        if lost_a_peer(e):  # the launcher reports the original failure, not this echo of it
+        if lost_a_peer(e):  # not original: a failure recorded elsewhere comes first
             log.debug("rank %d: lost a peer: %s", rank, e)
-            return fail(folder, rank, INTERNAL, f"rank {rank} lost a peer ({str(e).splitlines()[0]})",
-                        original=False)
+            message = (describe_loss(e, pulse.silent() if pulse else [], ctx, cfg.distributed.timeout_s)
+                       if ctx else f"rank {rank} lost a peer while joining the process group "
+                       f"({str(e).splitlines()[0]})")
+            return fail(folder, rank, PEER_LOST, message, original=False)
         if os.environ.get("DDP_DEBUG") == "1":
             traceback.print_exc()
         return fail(folder, rank, INTERNAL, f"internal error on rank {rank} (a bug; DDP_DEBUG=1 "
@@ -201,11 +208,13 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
 
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote worker",
-             "Broken pipe", "Socket Timeout", "NCCL communicator was aborted")
+             "Broken pipe", "Socket Timeout", "NCCL communicator was aborted", "Timed out waiting",
+             "Application timeout caused pair closure", "collective operation timeout")
 
 
 def lost_a_peer(error: BaseException) -> bool:
-    """A collective failed because another process died (gloo reports some as plain RuntimeError)."""
+    """A collective failed because another process died or hung (gloo reports some as plain
+    RuntimeError, and a hung peer as a timeout)."""
     return isinstance(error, dist.DistError) or (
         isinstance(error, RuntimeError) and any(mark in str(error) for mark in PEER_LOSS))
 
@@ -238,12 +247,39 @@ def die_with_launcher(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="ddp-launcher-watch", daemon=True).start()
 
 
-def main() -> None:
+def work(job_dir: str) -> int:
+    """The worker's life, however it was started: its exit code."""
     logging.basicConfig(level=os.environ.get("DDP_LOG_LEVEL", "INFO"), format="%(message)s")
     startup = StartupClock.inherited()
     startup.mark("worker_imports")
     die_with_launcher()
-    exit_now(run_job(Path(sys.argv[1]), startup))
+    return run_job(Path(job_dir), startup)
+
+
+def forked(job_dir: str) -> None:
+    """The agent's function entrypoint for workers forked from the launcher.
+
+    Made like a spawned worker first: a session of its own (a terminal's Ctrl-C
+    reaches the launcher, which passes it on once) and the default signal
+    handlers (not the agent's, inherited by the fork). A failure exits with its
+    code; success returns, as the agent waits for a return value, once the
+    loader processes are gone (they ignore SIGTERM, so multiprocessing's exit
+    would wait on them forever; their work is done).
+    """
+    os.setsid()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    code = work(job_dir)
+    if code:
+        exit_now(code)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would call their deaths failures
+    for loader in multiprocessing.active_children():
+        loader.kill()
+
+
+def main() -> None:
+    exit_now(work(sys.argv[1]))
 
 
 if __name__ == "__main__":

@@ -151,12 +151,13 @@ class RunState:
     step_in_epoch: int = 0  # of the epoch under way (0 at an epoch boundary)
     samples_in_epoch: int = 0  # positions of this epoch's permutation consumed, all ranks
     global_batch: int = 0  # images per optimisation step when this state was reached
-    running: list[float] = field(default_factory=lambda: [0.0, 0.0])  # the epoch's loss sum, steps
+    running: list[list[float]] = field(default_factory=list)  # per rank: the epoch's loss sum, steps
     best_top1: float = -1.0
     history: list[dict[str, Any]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
     final_ema: dict[str, float] | None = None  # the EMA weights' validation, when on
     skipped_files: list[str] = field(default_factory=list)  # bad files replaced under "skip"
+    world_sizes: list[int] = field(default_factory=list)  # of each segment: the start, every resume
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -117,7 +117,7 @@ class Trainer:
                                          steps_per_epoch * cfg.train.epochs)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.precision == "fp16")
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-        self.state = RunState(global_batch=self.global_batch)
+        self.state = RunState(global_batch=self.global_batch, world_sizes=[ctx.world_size])
         self.running = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # the epoch's loss sum, steps
         self.checkpointer = checkpointer or Checkpointer(None)
         self.checkpointer.track(self.state, before_save=self.settle)
@@ -140,6 +140,7 @@ class Trainer:
             self.state.epoch, self.state.final, self.state.final_ema = epoch + 1, val, ema_val
             self.state.step_in_epoch = self.state.samples_in_epoch = 0
             self.running.zero_()
+            self.state.running = []
             row = {"epoch": epoch + 1, "train_loss": train_loss, "val_loss": val["loss"],
                    "top1": val["top1"], "top5": val["top5"], "seconds": seconds,
                    "images_per_second": self.steps_per_epoch * self.global_batch / seconds,
@@ -164,7 +165,7 @@ class Trainer:
         self.loaders.train_sampler.set_epoch(epoch, skip=self.state.samples_in_epoch)
         self.model.train()
         batches = iter(self.loaders.train)
-        self.running.copy_(torch.tensor(self.state.running, dtype=torch.float64))
+        self.running.copy_(torch.tensor(self.own_running(), dtype=torch.float64))
         bad, window, every = set(), (start, time.perf_counter()), self.cfg.logging.every_steps
         lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:
@@ -242,9 +243,27 @@ class Trainer:
         return loss
 
     def settle(self) -> None:
-        """Before any checkpoint: never diverged weights; the running loss into the run state."""
+        """Before any checkpoint: never diverged weights, and a state every writer saves alike (each
+        node's first worker writes a copy): BatchNorm statistics are rank 0's, as DDP's broadcast at the
+        next forward would make them anyway, and the running loss is every rank's own."""
         self.check_finite()
-        self.state.running = self.running.tolist()
+        for buffer in self.model.module.buffers():
+            dist.broadcast(buffer, src=0)
+        everyone = [torch.empty_like(self.running) for _ in range(self.ctx.world_size)]
+        dist.all_gather(everyone, self.running)
+        self.state.running = [rank.tolist() for rank in everyone]
+
+    def own_running(self) -> list[float]:
+        """This rank's share of the epoch's running loss (sum, steps) in the run state: its own at the
+        same world size; at another, all of it on rank 0 (the epoch's loss is their sum)."""
+        saved = self.state.running
+        if not saved:
+            return [0.0, 0.0]
+        if not isinstance(saved[0], list):  # written before every rank's was kept: the writer's
+            return saved
+        if len(saved) == self.ctx.world_size:
+            return saved[self.ctx.rank]
+        return [sum(r[0] for r in saved), sum(r[1] for r in saved)] if self.ctx.is_main else [0.0, 0.0]
 
     def validate(self, bad: set[str] | None = None, module: nn.Module | None = None) -> dict[str, float]:
         """Evaluate rank 0's replica (or its EMA): its BatchNorm statistics are the ones checkpointed."""
@@ -267,6 +286,7 @@ class Trainer:
         if saved_world != self.ctx.world_size or saved_batch != self.global_batch:
             self.follow_world_size(path, saved_world, saved_batch)
         self.state.global_batch = self.global_batch
+        self.state.world_sizes = [*(self.state.world_sizes or [saved_world]), self.ctx.world_size]
 
     def follow_world_size(self, path: str | Path, saved_world: int, saved_batch: int) -> None:
         """Resume a checkpoint written at another world size (a node lost or added).
@@ -291,6 +311,9 @@ class Trainer:
         for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
                                        self.scheduler.lr_lambdas, strict=True):
             group["initial_lr"], group["lr"] = base, base * factor(position)
+        self.log({"split": "world_size", "epoch": self.state.epoch + 1, "step": self.state.step,
+                  "world_size": self.ctx.world_size, "previous": saved_world,
+                  "global_batch": self.global_batch, "lr": self.lr})
         if self.ctx.is_main:
             log.info(f"resume: {change}: peak LR {self.lr / ratio:.6g} -> {self.lr:.6g}, schedule at "
                      f"step {position} of {self.steps_per_epoch * self.cfg.train.epochs} (epoch "
@@ -308,6 +331,7 @@ class Trainer:
             "images_per_second": images_per_second,
             "skipped_images": len(self.state.skipped_files),  # distinct bad files, whole run
             "startup_seconds": self.startup.seconds(),  # to the end of the first step, by phase
+            "world_sizes": self.state.world_sizes,
             "last_epoch": last,
         }
 

@@ -37,6 +37,7 @@ def test_an_unreachable_rendezvous_is_a_data_error_not_a_hang(demo_registry, tmp
 
 def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
     """`--nnodes 2`, one worker each, c10d on 127.0.0.1: the same run as one node with 2 workers.
+    Node 0 forks its worker from the launcher, node 1 spawns it (as GPU nodes do): one world.
 
     Every worker gets one thread (as 2 workers on one 2-core node do): kernels
     reduce in a thread-count-dependent order, so equal results need equal threads."""
@@ -54,7 +55,8 @@ def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
                "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "loopback",
                "--nproc-per-node", "1", "--json", *SMALL]
         nodes.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True, env=one_thread))
+                                      text=True, start_new_session=True,
+                                      env={**one_thread, "DDP_WORKER_START": ("", "spawn")[rank]}))
     results = []
     try:
         for node in nodes:
@@ -67,6 +69,7 @@ def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
     single = last_json(run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry),
                                "--run-dir", str(tmp_path / "single"), "--nproc-per-node", "2",
                                "--json", *SMALL, env={"OMP_NUM_THREADS": "1"}))
+    assert [node["worker_start"] for node in results] == ["fork", "spawn"]
     for node in results:
         assert node["world_size"] == 2
         assert node["final"]["images"] == 359

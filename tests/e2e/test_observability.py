@@ -121,10 +121,11 @@ def test_signals_to_the_launcher_exit_143_and_130(demo_registry, tmp_path, sig, 
     assert run.wait(timeout=90) == code, run.stderr
 
 
-def test_a_worker_killed_by_a_signal_exits_1_naming_it(demo_registry, tmp_path):
+def test_a_worker_killed_by_a_signal_is_a_lost_rank_exit_5_naming_it(demo_registry, tmp_path):
     run = LiveRun.demo_at_step_2(demo_registry, tmp_path / "run")
     workers = run.workers()
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)
-    assert run.wait(timeout=90) == 1
-    assert "killed by SIGKILL" in run.stderr
+    assert run.wait(timeout=90) == 5
+    error = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "rank 1" in error[0] and "--resume auto" in error[0], run.stderr

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.config",),
     ("ddp_cli.data", "ddp_cli.distributed", "ddp_cli.models", "ddp_cli.observe"),
     ("ddp_cli.registry",),
+    ("ddp_cli.indexing",),
     ("ddp_cli.train",),
     ("ddp_cli.run",),
     ("ddp_cli.bench",),

@@ -1,0 +1,94 @@
+"""Losing a node, the parts that need no second node: --nnodes, the rules, the messages, the pulse."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_cli.commands import resume_command
+from ddp_cli.config import DistributedConfig
+from ddp_cli.distributed import heartbeat
+from ddp_cli.distributed.heartbeat import Heartbeat, describe_loss
+from ddp_cli.distributed.setup import DistContext
+from ddp_cli.errors import ConfigError
+from ddp_cli.run.launch import LaunchOptions, check_rendezvous
+from ddp_cli.run.worker import lost_a_peer
+
+
+@pytest.mark.parametrize(("spec", "nodes"), [("2", (2, None)), ("1:2", (2, 1)), ("3:3", (3, 3))])
+def test_nnodes_takes_torchruns_min_max(spec, nodes):
+    parsed = LaunchOptions.nodes(spec)
+    assert (parsed["nnodes"], parsed["min_nodes"]) == nodes
+
+
+@pytest.mark.parametrize("spec", ["0", "3:2", "a", "1:", ":2", "1:2:3", "-1"])
+def test_a_bad_nnodes_is_a_usage_error_naming_it(spec):
+    with pytest.raises(ConfigError, match=f"--nnodes {spec}: expected N or MIN:MAX"):
+        LaunchOptions.nodes(spec)
+
+
+def test_elastic_membership_without_restarts_is_refused():
+    opts = LaunchOptions(rdzv_endpoint="node0:29400", **LaunchOptions.nodes("1:2"))
+    with pytest.raises(ConfigError, match="--max-restarts"):
+        check_rendezvous(opts, DistributedConfig())
+    check_rendezvous(LaunchOptions(rdzv_endpoint="node0:29400", max_restarts=2, **LaunchOptions.nodes("1:2")),
+                     DistributedConfig())
+    check_rendezvous(opts, DistributedConfig(max_restarts=1))
+
+
+def test_the_resume_command_points_at_the_run_dir_with_resume_auto():
+    argv = ["train", "my cfg.toml", "--run-dir", "old", "--resume=never", "--nnodes", "2", "--node-rank",
+            "0", "--set", "optim.lr=0.2", "--run-dir=older", "--json"]
+    command = resume_command(argv, Path("/runs/x"))
+    assert shlex.split(command) == ["ddp", "train", "my cfg.toml", "--nnodes", "2", "--node-rank", "0",
+                                    "--set", "optim.lr=0.2", "--json", "--run-dir", "/runs/x",
+                                    "--resume", "auto"]
+
+
+CTX = DistContext(rank=0, world_size=4, local_rank=0, local_world_size=2, device=torch.device("cpu"),
+                  backend="gloo")
+
+
+def test_a_timeout_is_a_hang_and_a_closed_connection_a_loss_naming_rank_and_node():
+    hung = describe_loss(RuntimeError("[gloo] Timed out waiting 10000ms for recv"), [3], CTX, 10)
+    assert "rank 3 (node 1) stopped answering" in hung and "timeout_s = 10 s" in hung
+    gone = describe_loss(RuntimeError("Connection closed by peer [127.0.0.1]:4242"), [2, 3], CTX, 10)
+    assert "ranks 2, 3 (node 1) was lost" in gone and "connection closed" in gone
+    host = describe_loss(RuntimeError("Connection reset by peer"), None, CTX, 10)
+    assert host.startswith("node 0 (rank 0's node, host of the job's store) was lost")
+
+
+@pytest.mark.parametrize("text", ["Connection closed by peer [10.0.0.2]:5000",
+                                  "[gloo] Timed out waiting 30000ms for recv operation to complete",
+                                  "Application timeout caused pair closure"])
+def test_peer_losses_are_recognised(text):
+    assert lost_a_peer(RuntimeError(text))
+    assert not lost_a_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_the_pulse_names_the_ranks_that_went_silent(monkeypatch):
+    """Ranks 0 and 1 beat into a real TCPStore; rank 2 never does (a frozen node)."""
+    from ddp_cli.run.loopback import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.2)
+    monkeypatch.setattr(heartbeat, "READ_TIMEOUT_S", 1.0)
+    world = [DistContext(r, 3, r, 3, torch.device("cpu"), "gloo") for r in range(3)]
+    pulses = [Heartbeat.start(world[0]), Heartbeat.start(world[1])]
+    assert pulses[0].silent() == [2]
+    assert pulses[1].silent() == [2]
+    del server  # the store's host is gone: the pulse cannot say who is alive
+    assert pulses[0].silent() is None
+
+
+def test_outside_an_elastic_agent_there_is_no_pulse(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert Heartbeat.start(CTX) is None
