@@ -1,20 +1,25 @@
 # Two commands: `make train` (the demo, end to end) and `make test`.
-# Both share `make setup`: a .venv with torch/torchvision pinned as a matched pair.
+# Both share `make setup`: a .venv with the core, every extra and the test group, at the
+# versions of constraints.txt (torch/torchvision pinned as a matched pair).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-cuda lint docs clean
+.PHONY: setup train test test-cuda lint docs clean constraints
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# pip >= 25.1 reads PEP 735 dependency groups (--group).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --upgrade 'pip>=25.1'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[all]' --group test
 	touch $(STAMP)
+
+# After a passing `make test` with newer packages: pin what passed.
+constraints: setup
+	$(BIN)/python tools/constraints.py
 
 train: setup
 	$(BIN)/ddp train configs/demo.toml

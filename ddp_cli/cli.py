@@ -1,20 +1,22 @@
 """The `ddp` command line: one small function per command; errors become exit codes here.
 
-Results go to stdout (with --json: exactly one JSON document, the last line);
-progress, tables and errors go to stderr.
+Results go to stdout (with --json: exactly one JSON document, the last line, and on
+failure that document is the error); progress, tables and errors go to stderr.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -28,8 +30,11 @@ except ImportError:  # pragma: no cover - older typer on real click
     from click.exceptions import NoArgsIsHelpError, UsageError
 
 from ddp_cli import __version__
-from ddp_cli.errors import INTERNAL, SIGINT, USAGE, DdpError
+from ddp_cli.errors import DATA, INTERNAL, SIGINT, USAGE, ConfigError, DdpError
 from ddp_cli.fastexit import run_and_exit
+
+if TYPE_CHECKING:
+    from ddp_cli.run.launch import LaunchOptions
 
 app = typer.Typer(no_args_is_help=True, help="Train image classifiers data-parallel on "
                   "torch.distributed from one TOML file.", rich_markup_mode="markdown")
@@ -37,42 +42,106 @@ datasets_app = typer.Typer(no_args_is_help=True, help="Inspect the data set regi
 app.add_typer(datasets_app, name="datasets")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results and exact commands: BENCHMARKS.md).")
 app.add_typer(bench_app, name="bench")
+config_app = typer.Typer(no_args_is_help=True, help="The run config: resolved, or its JSON schema.")
+app.add_typer(config_app, name="config")
 err = Console(stderr=True)
 log = logging.getLogger("ddp")
 
 RegistryOpt = Annotated[str | None, typer.Option(
     "--registry", help="data.toml to use (else $DDP_DATA_TOML, else ./data.toml).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="Debug logging.")]
+SIGPIPE = 141  # 128 + 13, as a shell reports a process that wrote to a closed pipe
 
 
 def exits(command: Callable) -> Callable:
-    """Map DdpError to its exit code and one line on stderr; anything else is a bug (1)."""
+    """Map DdpError to its exit code and one line on stderr; anything else is a bug (1).
+
+    With JSON output the failure is also the last stdout line (`report_error`), so a script
+    parses one thing whatever happened. Commands say they print JSON by `as_json` (or
+    `fmt == "json"`), which Typer passes by keyword.
+    """
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> None:
+        as_json = kwargs.get("as_json") is True or kwargs.get("fmt") == "json"
         try:
             command(*args, **kwargs)
         except DdpError as e:
-            if str(e):
-                err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(e.exit_code) from None
-        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            fail(str(e), e.exit_code, as_json)
+        except (typer.Exit, typer.Abort):
             raise
+        except KeyboardInterrupt:
+            fail("interrupted", SIGINT, as_json)
         except Exception as e:
             if os.environ.get("DDP_DEBUG") == "1":
                 raise
-            err.print(f"[red]internal error (a bug; DDP_DEBUG=1 shows the traceback):[/red] "
-                      f"{type(e).__name__}: {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(INTERNAL) from None
+            fail(f"{type(e).__name__}: {e}", INTERNAL, as_json,
+                 label="internal error (a bug; DDP_DEBUG=1 shows the traceback):")
 
     return wrapper
 
 
-def emit(result: Any, as_json: bool, human: Callable[[], None]) -> None:
+def report_error(message: str, code: int, as_json: bool, result: dict[str, Any] | None = None,
+                 label: str = "error:") -> None:
+    """One line on stderr; with JSON output also `{"error", "exit_code"}` as the last stdout line,
+    after the keys of what the command found before failing (`result`), if anything.
+
+    An empty message is a worker's failure that the worker printed itself (under torchrun)."""
+    if message:
+        err.print(f"[red]{label}[/red] {escape(message)}", highlight=False, soft_wrap=True)
     if as_json:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        human()
+        text = message or f"a worker failed with exit code {code} (its message is on stderr)"
+        text = text if label == "error:" else f"{label} {text}"
+        sys.stdout.write(json.dumps({**(result or {}), "error": text, "exit_code": code}) + "\n")
+
+
+def fail(message: str, code: int, as_json: bool, result: dict[str, Any] | None = None,
+         label: str = "error:") -> NoReturn:
+    """`report_error`, then exit with `code`."""
+    report_error(message, code, as_json, result, label)
+    raise typer.Exit(code)
+
+
+def takes_verbose(command: Callable) -> Callable:
+    """Give a command `-v/--verbose` of its own, so `ddp train ... -v` works as `ddp -v train ...`."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, verbose: bool = False, **kwargs: Any) -> None:
+        if verbose:
+            configure_logging(True)
+        command(*args, **kwargs)
+
+    # Typer reads the options from the signature: the command's own, and this one
+    signature = inspect.signature(command, eval_str=True)
+    verbose = inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, default=False,
+                                annotation=VerboseOpt)
+    wrapper.__signature__ = signature.replace(parameters=[*signature.parameters.values(), verbose])
+    return wrapper
+
+
+def command(group: typer.Typer, name: str | None = None) -> Callable[[Callable], Callable]:
+    """Register a ddp command on `group`: its errors become exit codes (`exits`) and it takes
+    -v/--verbose after its name (`takes_verbose`)."""
+    return lambda function: group.command(name)(takes_verbose(exits(function)))
+
+
+def emit(result: Any, as_json: bool, human: Callable[[], None]) -> None:
+    with stdout_may_close():
+        if as_json:
+            sys.stdout.write(json.dumps(result) + "\n")
+        else:
+            human()
+
+
+@contextmanager
+def stdout_may_close() -> Iterator[None]:
+    """A reader that leaves early (`ddp config schema | head`) has all it wanted: exit quietly."""
+    try:
+        yield
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise typer.Exit(SIGPIPE) from None
 
 
 def version_callback(value: bool) -> None:
@@ -81,23 +150,37 @@ def version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
+# the levels -v sets, and those without it; $LOGLEVEL: torch.distributed.elastic sets its loggers'
+# levels from it when imported, so its chatter (and C++ stack dumps of errors we report in one
+# line) shows only with --verbose
+LOG_ENV = {"DDP_LOG_LEVEL": ("INFO", "DEBUG"), "LOGLEVEL": ("CRITICAL", "DEBUG"),
+           "TORCH_CPP_LOG_LEVEL": ("FATAL", "INFO")}
+
+
+def configure_logging(verbose: bool) -> None:
+    """Debug logging with -v (before or after the command's name: both call this); -v wins over
+    the environment, and without it a level the user exported stays."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
+                        stream=sys.stderr)
+    if verbose:
+        logging.getLogger().setLevel(logging.DEBUG)  # after the command's name: basicConfig already ran
+    for name, (quiet, loud) in LOG_ENV.items():
+        if verbose:
+            os.environ[name] = loud
+        else:
+            os.environ.setdefault(name, quiet)
+
+
 @app.callback()
 def root(
     version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True,
                                           help="Print the version and exit.")] = False,
-    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug logging.")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
-    level = logging.DEBUG if verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
-    os.environ.setdefault("DDP_LOG_LEVEL", logging.getLevelName(level))
-    # torch.distributed.elastic sets its loggers' levels from $LOGLEVEL when imported: keep its
-    # chatter (and C++ stack dumps of errors we report in one line) for --verbose
-    os.environ.setdefault("LOGLEVEL", "DEBUG" if verbose else "CRITICAL")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if verbose else "FATAL")
+    configure_logging(verbose)
 
 
-@app.command()
-@exits
+@command(app)
 def train(
     config: Annotated[Path, typer.Argument(help="Run config (TOML), e.g. configs/demo.toml.")],
     set_: Annotated[list[str] | None, typer.Option(
@@ -105,13 +188,26 @@ def train(
     registry: RegistryOpt = None,
     run_dir: Annotated[Path | None, typer.Option(
         help="Run directory (else runs/NAME-YYYYmmdd-HHMMSS).")] = None,
-    nproc_per_node: Annotated[int | None, typer.Option(min=1, help="Workers on this node.")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option(
+        "--nproc-per-node", "--nproc_per_node", min=1, help="Workers on this node.")] = None,
     nnodes: Annotated[str, typer.Option(
         help="Nodes in the job: N, or MIN:MAX to go on with fewer after a node is lost.")] = "1",
-    node_rank: Annotated[int, typer.Option(min=0, help="This node's rank.")] = 0,
-    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous.")] = None,
-    rdzv_id: Annotated[str | None, typer.Option(help="Job id shared by all nodes.")] = None,
-    max_restarts: Annotated[int | None, typer.Option(min=0, help="Elastic restarts on failure.")] = None,
+    node_rank: Annotated[int, typer.Option("--node-rank", "--node_rank", min=0,
+                                           help="This node's rank.")] = 0,
+    rdzv_endpoint: Annotated[str | None, typer.Option(
+        "--rdzv-endpoint", "--rdzv_endpoint", help="HOST:PORT of the rendezvous.")] = None,
+    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id", "--rdzv_id",
+                                                help="Job id shared by all nodes.")] = None,
+    max_restarts: Annotated[int | None, typer.Option(
+        "--max-restarts", "--max_restarts", min=0, help="Elastic restarts on failure.")] = None,
+    standalone: Annotated[bool, typer.Option(
+        "--standalone", help="torchrun's spelling of one node with a local rendezvous (the default; "
+        "SLURM's node settings are then ignored).")] = False,
+    master_addr: Annotated[str | None, typer.Option(
+        "--master-addr", "--master_addr", help="torchrun's spelling: with --master-port, the same as "
+        "--rdzv-endpoint ADDR:PORT.")] = None,
+    master_port: Annotated[int | None, typer.Option(
+        "--master-port", "--master_port", min=1, max=65535, help="See --master-addr.")] = None,
     resume: Annotated[str, typer.Option(help="auto | never | PATH to a checkpoint.")] = "auto",
     dry_run: Annotated[bool, typer.Option(help="Validate and print the plan; do not train.")] = False,
     as_json: JsonOpt = False,
@@ -127,6 +223,7 @@ def train(
     * `ddp train configs/demo.toml --json --quiet | tail -1`
     * `ddp train cfg.toml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --rdzv-id job1`
     * `ddp train cfg.toml --nnodes 1:2 --max-restarts 3 --rdzv-endpoint node0:29400 --rdzv-id job1`
+    * `ddp train cfg.toml --nproc_per_node 4 --standalone` (torchrun's spellings work too)
     """
     from ddp_cli.config import load_config
     from ddp_cli.indexing import IndexBuild
@@ -138,9 +235,10 @@ def train(
         from ddp_cli import commands
         from ddp_cli.run.launch import LaunchOptions, with_environment
 
-        opts = with_environment(LaunchOptions(
-            nproc_per_node, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-            max_restarts=max_restarts, **LaunchOptions.nodes(nnodes)))
+        endpoint = master_endpoint(master_addr, master_port, rdzv_endpoint)
+        opts = LaunchOptions(nproc_per_node, node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
+                             max_restarts=max_restarts, **LaunchOptions.nodes(nnodes))
+        opts = standalone_checked(opts) if standalone else with_environment(opts)
         if dry_run:
             plan = commands.plan(cfg, build, opts, resume)
             emit(plan, as_json, lambda: print_mapping("plan", plan))
@@ -150,15 +248,42 @@ def train(
         emit(result, as_json, lambda: print_train_summary(result))
 
 
-@app.command()
-@exits
+def master_endpoint(addr: str | None, port: int | None, rdzv_endpoint: str | None) -> str | None:
+    """The rendezvous endpoint from torchrun's --master-addr/--master-port, else --rdzv-endpoint (the
+    job id every node derives alike from it when --rdzv-id is not given: `run.launch.run_id`)."""
+    if addr is None and port is None:
+        return rdzv_endpoint
+    if addr is None or port is None:
+        given, missing = ("--master-addr", "--master-port") if port is None else \
+            ("--master-port", "--master-addr")
+        raise ConfigError(f"{given} needs {missing} too (the two together are --rdzv-endpoint HOST:PORT); "
+                          "give both, or --rdzv-endpoint HOST:PORT alone")
+    if rdzv_endpoint:
+        raise ConfigError(f"--master-addr/--master-port and --rdzv-endpoint {rdzv_endpoint} both name the "
+                          "rendezvous; give only one of them")
+    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr  # IPv6
+    return f"{host}:{port}"
+
+
+def standalone_checked(opts: LaunchOptions) -> LaunchOptions:
+    """--standalone (torchrun's flag): this node alone with a local rendezvous, which is what ddp
+    does without --nnodes; refused with the flags of a multi-node job."""
+    if opts.nnodes > 1 or opts.rdzv_endpoint:
+        given = f"--nnodes {opts.nnodes}" if opts.nnodes > 1 else f"--rdzv-endpoint {opts.rdzv_endpoint}"
+        raise ConfigError(f"--standalone means this node alone, meeting at a local rendezvous; {given} "
+                          "contradicts it: drop one of the two")
+    return opts
+
+
+@command(app)
 def validate(
     checkpoint: Annotated[Path, typer.Option(help="A checkpoint from <run>/checkpoints/.")],
     config: Annotated[Path | None, typer.Option(
         help="Use this run config instead of the checkpoint's.")] = None,
     dataset: Annotated[str | None, typer.Option(help="Validate on this registry data set.")] = None,
     registry: RegistryOpt = None,
-    nproc_per_node: Annotated[int, typer.Option(min=1, help="Workers on this node.")] = 1,
+    nproc_per_node: Annotated[int, typer.Option(
+        "--nproc-per-node", "--nproc_per_node", min=1, help="Workers on this node.")] = 1,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Images per worker per batch.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -178,8 +303,7 @@ def validate(
     emit(result, as_json, lambda: print_mapping("validation", result))
 
 
-@datasets_app.command("list")
-@exits
+@command(datasets_app, "list")
 def datasets_list(registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     """List the data sets in the registry.
 
@@ -204,8 +328,7 @@ def datasets_list(registry: RegistryOpt = None, as_json: JsonOpt = False) -> Non
 DatasetArg = Annotated[str, typer.Argument(help="A data set name in the registry.")]
 
 
-@datasets_app.command("show")
-@exits
+@command(datasets_app, "show")
 def datasets_show(name: DatasetArg, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     """Show a data set: its registry entry, split sizes and classes.
 
@@ -233,8 +356,7 @@ def datasets_show(name: DatasetArg, registry: RegistryOpt = None, as_json: JsonO
     emit(result, as_json, human)
 
 
-@datasets_app.command("check")
-@exits
+@command(datasets_app, "check")
 def datasets_check(
     name: DatasetArg,
     split: Annotated[str, typer.Option(help="train | val | all")] = "all",
@@ -254,7 +376,6 @@ def datasets_check(
     * `ddp datasets check imagenet_s3 --split val --workers 32 --json`
     """
     from ddp_cli import commands
-    from ddp_cli.errors import ConfigError, DataError
 
     if split not in ("train", "val", "all"):
         raise ConfigError(f"--split {split}: use train, val or all")
@@ -274,14 +395,14 @@ def datasets_check(
         else:
             Console().print(f"[green]no bad files[/] ({result['seconds']:.1f} s)")
 
-    emit(result, as_json, human)
+    if not (as_json and result["bad_files"]):  # with --json the error object carries the findings
+        emit(result, as_json, human)
     if result["bad_files"]:
-        raise DataError(f"{len(result['bad_files'])} bad file(s) in data set {name!r}; fix or remove "
-                        'them, or train with data.on_bad_image = "skip"')
+        fail(f"{len(result['bad_files'])} bad file(s) in data set {name!r}; fix or remove them, or "
+             'train with data.on_bad_image = "skip"', DATA, as_json, result)
 
 
-@bench_app.command("data")
-@exits
+@command(bench_app, "data")
 def bench_data(
     name: DatasetArg,
     split: Annotated[str, typer.Option(help="train | val: whose files to read.")] = "train",
@@ -300,7 +421,6 @@ def bench_data(
     * `ddp bench data imagenet_local --workers 8 --json`
     """
     from ddp_cli.bench.data import bench_data as run
-    from ddp_cli.errors import ConfigError
 
     if split not in ("train", "val"):
         raise ConfigError(f"--split {split}: use train or val")
@@ -322,14 +442,13 @@ def step_spec(model: str, batch_size: int, image_size: int, steps: int, rounds: 
     from ddp_cli.models import known_models
 
     if model not in known_models():
-        from ddp_cli.errors import ConfigError, did_you_mean
+        from ddp_cli.errors import did_you_mean
 
         raise ConfigError(f"--model {model}: unknown model{did_you_mean(model, known_models())}")
     return StepSpec(model=model, batch_size=batch_size, image_size=image_size, steps=steps, rounds=rounds)
 
 
-@bench_app.command("step")
-@exits
+@command(bench_app, "step")
 def bench_step(
     model: ModelOpt = "resnet_tiny",
     batch_size: BatchOpt = 32,
@@ -353,8 +472,7 @@ def bench_step(
     emit(result, as_json, lambda: print_bench(result))
 
 
-@bench_app.command("scaling")
-@exits
+@command(bench_app, "scaling")
 def bench_scaling(
     model: ModelOpt = "resnet_tiny",
     batch_size: BatchOpt = 32,
@@ -378,8 +496,7 @@ def bench_scaling(
     emit(result, as_json, lambda: print_bench(result))
 
 
-@bench_app.command("options")
-@exits
+@command(bench_app, "options")
 def bench_options(
     model: ModelOpt = "resnet_tiny",
     batch_size: BatchOpt = 32,
@@ -400,7 +517,6 @@ def bench_options(
     """
     from ddp_cli.bench.options import VARIANTS
     from ddp_cli.bench.options import bench_options as run
-    from ddp_cli.errors import ConfigError
 
     names = only.split(",") if only else None
     unknown = sorted(set(names or []) - set(VARIANTS))
@@ -410,8 +526,7 @@ def bench_options(
     emit(result, as_json, lambda: print_bench(result))
 
 
-@bench_app.command("checkpoint")
-@exits
+@command(bench_app, "checkpoint")
 def bench_checkpoint(
     model: ModelOpt = "resnet50",
     batch_size: BatchOpt = 8,
@@ -434,8 +549,7 @@ def bench_checkpoint(
     emit(result, as_json, lambda: print_bench(result))
 
 
-@bench_app.command("allreduce")
-@exits
+@command(bench_app, "allreduce")
 def bench_allreduce(
     sizes: Annotated[str, typer.Option(help="Buffer sizes, MiB, comma-separated.")] = "1,4,16,64",
     world_size: WorldOpt = 2,
@@ -450,7 +564,6 @@ def bench_allreduce(
     * `ddp bench allreduce --sizes 0.25,1,4 --json`
     """
     from ddp_cli.bench.allreduce import bench_allreduce as run
-    from ddp_cli.errors import ConfigError
 
     try:
         sizes_mb = [float(s) for s in sizes.split(",")]
@@ -462,8 +575,7 @@ def bench_allreduce(
     emit(result, as_json, lambda: print_bench(result))
 
 
-@bench_app.command("memory")
-@exits
+@command(bench_app, "memory")
 def bench_memory(
     rows: Annotated[int, typer.Option(min=1000, help="Train rows of the index (ImageNet: 1,281,167).")]
     = 1_281_167,
@@ -486,8 +598,7 @@ def bench_memory(
 DEMO_CONFIG = Path("configs/demo.toml")
 
 
-@bench_app.command("e2e")
-@exits
+@command(bench_app, "e2e")
 def bench_e2e(
     config: Annotated[Path, typer.Argument(help="Run config with a local data set.")] = DEMO_CONFIG,
     target: Annotated[float, typer.Option(min=0, max=1, help="Val top-1 to reach.")] = 0.95,
@@ -509,8 +620,7 @@ def bench_e2e(
     emit(result, as_json, lambda: print_bench(result))
 
 
-@app.command()
-@exits
+@command(app)
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory made by `ddp train`.")],
     out: Annotated[Path | None, typer.Option(help="PNG to write (default RUN_DIR/report.png).")] = None,
@@ -528,6 +638,126 @@ def report(
     summary = summarize(run_dir)
     summary["plot"] = str(plot(run_dir, out or run_dir / "report.png"))
     emit(summary, as_json, lambda: print_mapping("report", summary))
+
+
+@command(app)
+def env(as_json: JsonOpt = False) -> None:
+    """This machine as a bug report needs it: versions, GPUs, CPU and bf16, what "auto" picks here.
+
+    Examples:
+
+    * `ddp env`
+    * `ddp env --json | jq .precision_auto`
+    """
+    from ddp_cli import commands
+
+    info = commands.env()
+    emit(info, as_json, lambda: print_env(info))
+
+
+FormatOpt = Annotated[str, typer.Option(
+    "--format", help="toml (commented, every default) | json (one line).")]
+
+
+@command(config_app, "show")
+def config_show(
+    config: Annotated[Path, typer.Argument(help="Run config (TOML).")],
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a config key: --set optim.lr=0.2 (TOML value syntax).")] = None,
+    fmt: FormatOpt = "toml",
+) -> None:
+    """The resolved run config, every default written out (unset keys commented); reads no data.
+
+    Its TOML, saved to a file, trains the same run as CONFIG with those --set.
+
+    Examples:
+
+    * `ddp config show configs/resnet34.toml`
+    * `ddp config show configs/demo.toml --set train.epochs=2 > two-epochs.toml`
+    * `ddp config show configs/demo.toml --format json | jq .optim`
+    """
+    from ddp_cli.config import load_config
+    from ddp_cli.config_view import render
+
+    if fmt not in ("toml", "json"):
+        raise ConfigError(f"--format {fmt}: use toml or json")
+    overrides = set_ or []
+    source = " ".join([str(config), *(f"--set {item}" for item in overrides)])
+    text = render(load_config(config, overrides), fmt, source)
+    with stdout_may_close():
+        print(text)
+
+
+@command(config_app, "schema")
+def config_schema() -> None:
+    """The run config's JSON schema (for editors: completion, and unknown keys flagged as you type).
+
+    Examples:
+
+    * `ddp config schema > ddp-config.schema.json`
+    """
+    from ddp_cli.config_view import schema
+
+    with stdout_may_close():
+        print(json.dumps(schema(), indent=2))
+
+
+@command(app)
+def init(
+    folder: Annotated[Path, typer.Argument(help="Folder to write into (made if missing).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a starter run config and data.toml (the demo) into FOLDER; never overwrites a file.
+
+    Examples:
+
+    * `ddp init mywork && cd mywork && ddp train demo.toml`
+    """
+    from ddp_cli.starter import write_starter
+
+    result = write_starter(folder)
+
+    def human() -> None:
+        names = [Path(path).name for path in result["files"]]
+        configs = [name for name in names if name != "data.toml"]  # the registry: ./data.toml there
+        lines = [f"wrote {', '.join(names)} to {result['dir']}"]
+        lines += [f"train: cd {shlex.quote(result['dir'])} && ddp train {configs[0]}"] if configs else []
+        Console().print("\n".join(lines), highlight=False, soft_wrap=True)
+
+    emit(result, as_json, human)
+
+
+def print_env(info: dict[str, Any]) -> None:
+    """`ddp env` as one two-column table, a fact a row."""
+    cpu, backends = info["cpu"], info["backends"]
+    bf16 = (f"native ({', '.join(cpu['bf16_flags'])})" if cpu["bf16_native"] else
+            "not native (no AVX-512 BF16 / AMX): emulated, slower than fp32")
+    gpus = [f"{g['index']}: {g['name']}, {g['memory_gib']} GiB, compute {g['capability']}"
+            for g in info["gpus"]]
+    refused = f"refused: {info.get('auto_refused')}"
+    rows = {
+        "ddp": info["ddp"], "python": f"{info['python']} ({info['platform']})",
+        "torch": info["torch"], "torchvision": info["torchvision"],
+        "CUDA": f"{info['cuda'] or 'none (CPU build)'}; available: {_yes(info['cuda_available'])}",
+        "cuDNN": info["cudnn"] or "none", "NCCL": info["nccl"] or "none",
+        "GPUs": "\n".join(gpus) or "none",
+        "CPU": f"{cpu['model']}, {cpu['count']} CPUs ({cpu['usable']} usable by this process)",
+        "CPU bf16": bf16,
+        "memory": f"{info['memory_gib']} GiB",
+        "backends": ", ".join(f"{name} {_yes(ok)}" for name, ok in backends.items()),
+        'precision = "auto"': info["precision_auto"] or refused,
+        'backend = "auto"': info["backend_auto"] or refused,
+        'nproc_per_node = "auto"': str(info["nproc_per_node_auto"] or refused),
+        "settings": " ".join(f"{k}={v}" for k, v in info["settings"].items()) or "none set",
+    }
+    table = Table(title="ddp env", title_justify="left", show_header=False)
+    for key, value in rows.items():
+        table.add_row(key, value)
+    Console().print(table, highlight=False)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
 
 
 def print_mapping(title: str, result: dict[str, Any]) -> None:
@@ -597,9 +827,16 @@ def main() -> None:
         code = 0
     except UsageError as e:
         command = e.ctx.command_path if e.ctx else "ddp"
-        err.print(f"[red]error:[/red] {escape(e.format_message())} (see `{command} --help`)",
-                  highlight=False, soft_wrap=True)
+        report_error(f"{e.format_message()} (see `{command} --help`)", USAGE, asks_for_json(sys.argv[1:]))
         code = USAGE
     except (typer.Abort, KeyboardInterrupt):
         code = SIGINT
     sys.exit(code or 0)
+
+
+def asks_for_json(args: list[str]) -> bool:
+    """Whether a command line that failed to parse asked for JSON output (`exits` knows it from
+    the parsed arguments; a usage error comes before them)."""
+    args = args[:args.index("--")] if "--" in args else args
+    pairs = zip(args, [*args[1:], ""], strict=True)
+    return "--json" in args or "--format=json" in args or ("--format", "json") in pairs

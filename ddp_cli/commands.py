@@ -12,10 +12,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddp_cli.config import RunConfig, config_from_dict, load_config
+from ddp_cli.config import RunConfig, TrainConfig, config_from_dict, load_config
 from ddp_cli.data.layouts import build_index
 from ddp_cli.distributed.setup import setup
-from ddp_cli.errors import PEER_LOST, PeerLost, WorkerFailed
+from ddp_cli.envinfo import machine
+from ddp_cli.errors import PEER_LOST, ConfigError, PeerLost, WorkerFailed
 from ddp_cli.indexing import IndexBuild, resolve_dataset
 from ddp_cli.models import import_builders
 from ddp_cli.observe.startup import StartupClock
@@ -30,7 +31,7 @@ from ddp_cli.preflight import (
 )
 from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.jobs import Job, prepare_job, read_result
-from ddp_cli.run.launch import LaunchOptions, external_launcher, launch, single_threaded
+from ddp_cli.run.launch import LaunchOptions, external_launcher, launch, single_threaded, with_environment
 from ddp_cli.run.worker import run_job
 from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint
 
@@ -166,3 +167,21 @@ def datasets_check(name: str, registry: str | None, split: str, workers: int | N
     fs, root = entry.open()
     return {"name": entry.name, "root": entry.storage.path,
             **check_dataset(fs, root, entry.layout, splits, workers, progress)}
+
+
+def env() -> dict[str, Any]:
+    """`ddp env`: this machine (`envinfo.machine`) and what "auto" picks on it."""
+    return {**machine(), **auto_choices()}
+
+
+def auto_choices() -> dict[str, Any]:
+    """What `ddp train` with `precision`, `backend` and `nproc_per_node` "auto" (and no flags) starts
+    here, through the function it calls (`launch_workers`), so the two agree by construction."""
+    cfg = RunConfig(train=TrainConfig(precision="auto"))  # distributed.* are "auto" by default
+    try:
+        workers = launch_workers(cfg, with_environment(LaunchOptions()))
+    except ConfigError as e:  # e.g. SLURM promising more GPUs than this node shows
+        return {"precision_auto": None, "backend_auto": None, "nproc_per_node_auto": None,
+                "auto_refused": str(e)}
+    return {"precision_auto": workers.precision, "backend_auto": workers.backend,
+            "nproc_per_node_auto": workers.nproc}

@@ -6,6 +6,8 @@ and its `exit_code`; anything else is a bug (exit 1).
 
 from __future__ import annotations
 
+import importlib.util
+
 OK = 0
 INTERNAL = 1
 USAGE = 2
@@ -64,3 +66,27 @@ def did_you_mean(word: str, known: list[str] | tuple[str, ...]) -> str:
         return f" (did you mean {', '.join(repr(c) for c in close)}?)"
     names = ", ".join(sorted(known)[:12]) + (", ..." if len(known) > 12 else "")
     return f" (known: {names})"
+
+
+DISTRIBUTION = "ddp-cli"  # pyproject's [project] name: what `pip install` takes
+# Each optional feature's extra (pyproject's [project.optional-dependencies]): the module it
+# imports and the package that provides it.
+EXTRAS: dict[str, tuple[str, str]] = {
+    "s3": ("s3fs", "s3fs"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "report": ("matplotlib", "matplotlib"),
+}
+
+
+def require_extra(extra: str, what: str, otherwise: str = "") -> None:
+    """Refuse `what` (exit 2, one line naming the install) when the package of `extra` is missing.
+
+    The core install leaves out what only one feature needs; without this check the feature
+    would fail deep inside as an ImportError, reported as a bug.
+    """
+    module, package = EXTRAS[extra]
+    if importlib.util.find_spec(module) is None:
+        alternative = f" or {otherwise}" if otherwise else ""
+        raise ConfigError(f"{what}: the {package} package is not installed; "
+                          f"pip install '{DISTRIBUTION}[{extra}]'{alternative}")

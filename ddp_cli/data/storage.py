@@ -1,4 +1,4 @@
-"""Data set roots through fsspec: local folders, and S3 through s3fs.
+"""Data set roots through fsspec: local folders, and S3 through s3fs (the `s3` extra).
 
 S3 credentials come from the standard AWS chain (environment, shared
 credentials/config files and `AWS_PROFILE`, SSO, instance roles), found by
@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import fsspec
 
-from ddp_cli.errors import DataError
+from ddp_cli.errors import DataError, require_extra
 
 UNSAFE_PATH = "unsafe path (absolute, or .. out of its folder)"
 CREDENTIALS_HELP = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage.profile "
@@ -73,6 +73,7 @@ def storage_error(e: Exception, where: str) -> DataError | None:
 
 def s3_filesystem(storage) -> tuple[fsspec.AbstractFileSystem, str]:
     """An s3fs filesystem for `storage` and the root as bucket/prefix, checked by one listing."""
+    require_extra("s3", storage.path)
     client = {k: v for k, v in (("endpoint_url", storage.endpoint_url), ("region_name", storage.region))
               if v}
     options = {"anon": storage.anon, "client_kwargs": client}

@@ -6,7 +6,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from ddp_cli.errors import ConfigError
+from ddp_cli.errors import ConfigError, require_extra
 from ddp_cli.observe.sinks import read_metrics
 
 
@@ -43,6 +43,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
 
 def figure(run_dir: Path):
     """Loss, accuracy, LR and throughput in a 2x2 matplotlib figure (headless)."""
+    require_extra("report", "ddp report's plot")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,9 +74,9 @@ def figure(run_dir: Path):
 
 
 def plot(run_dir: Path, out: Path) -> Path:
+    fig = figure(run_dir)
     import matplotlib.pyplot as plt
 
-    fig = figure(run_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -9,7 +9,6 @@ Only rank 0 builds sinks.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import logging
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ddp_cli.config import LoggingConfig
-from ddp_cli.errors import ConfigError
+from ddp_cli.errors import require_extra
 
 CSV_COLUMNS = ("time", "epoch", "step", "split", "loss", "top1", "top5", "lr", "images_per_second",
                "skipped_images", "images")
@@ -78,10 +77,12 @@ class TensorBoardSink:
 
 
 def check_sinks(cfg: LoggingConfig) -> None:
-    """W&B is an optional extra: its absence is a config error before any worker starts."""
-    if cfg.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("logging.wandb: the wandb package is not installed; "
-                          "pip install 'ddp-cli[wandb]' or remove [logging.wandb]")
+    """TensorBoard and W&B are optional extras: a missing one is a config error before any worker
+    starts, not an ImportError on rank 0 after the others began."""
+    if cfg.tensorboard:
+        require_extra("tensorboard", "logging.tensorboard", "set logging.tensorboard = false")
+    if cfg.wandb:
+        require_extra("wandb", "logging.wandb", "remove [logging.wandb]")
 
 
 class WandbSink:

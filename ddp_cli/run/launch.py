@@ -4,6 +4,7 @@ The agent runs `python -m ddp_cli.run.worker JOB_DIR` once per local
 worker, sets RANK/WORLD_SIZE/MASTER_* for each, rendezvouses with the other
 nodes (c10d), and when one worker fails it stops the rest at once, so nobody
 waits on a dead peer. We then name the original failure and its exit code.
+Each worker's output also goes to JOB_DIR/logs (`run.logs`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.setup import cuda_devices
 from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
 from ddp_cli.run.jobs import clear_errors, first_error
+from ddp_cli.run.logs import RankLogs
 from ddp_cli.run.worker import LAUNCHED, forked
 
 SLURM_RDZV_PORT = 29400
@@ -119,6 +121,14 @@ def check_rendezvous(opts: LaunchOptions, cfg: DistributedConfig) -> None:
                           "restarting; add --max-restarts K (e.g. 3) or set distributed.max_restarts")
 
 
+def run_id(opts: LaunchOptions) -> str:
+    """--rdzv-id, else one every node derives alike from the endpoint they share (a random id per
+    node would keep them from ever meeting), else a fresh one for a single node."""
+    if opts.rdzv_id:
+        return opts.rdzv_id
+    return f"ddp-{opts.rdzv_endpoint}" if opts.rdzv_endpoint else uuid.uuid4().hex
+
+
 def quiet_torch_logs() -> None:
     """torch.distributed's own log lines (the agent's "failed (exitcode...)") only with --verbose.
 
@@ -166,7 +176,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         min_nodes=opts.min_nodes or opts.nnodes,
         max_nodes=opts.nnodes,
         nproc_per_node=nproc,
-        run_id=opts.rdzv_id or uuid.uuid4().hex,
+        run_id=run_id(opts),
         rdzv_backend="c10d",
         rdzv_endpoint=opts.rdzv_endpoint or "127.0.0.1:0",
         rdzv_configs={"is_host": hosts, "read_timeout": cfg.rdzv_timeout_s,
@@ -175,6 +185,11 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         monitor_interval=0.1,
         shutdown_timeout=cfg.stop_grace_s,
         start_method=worker_start(),
+        logs_specs=RankLogs(job_dir / "logs", sys.stderr.isatty()),  # `validate`: a temporary folder
+        # torch starts each teed line with the template, rendered per worker; with an empty role it
+        # renders empty, so the console reads as it would without the files
+        role="",
+        log_line_prefix_template="${role_name}",
     )
     quiet_torch_logs()
     clear_errors(job_dir)

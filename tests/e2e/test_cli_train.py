@@ -14,16 +14,20 @@ from ddp_cli.config import config_from_dict, load_config
 FAST = ["--set", "train.epochs=2", "--set", "train.max_steps_per_epoch=6", "--set", "data.workers=0"]
 
 
+# c10d's C++ log lines name their rank (`[rank1]:...`) and are written below Python, on the fd
+RANK_MARKED = {"TORCH_CPP_LOG_LEVEL": "INFO"}
+
+
 @pytest.fixture(scope="module")
 def trained(demo_registry, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run") / "demo"
     result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry),
-                     "--run-dir", str(run_dir), "--json", *FAST)
-    return last_json(result), run_dir
+                     "--run-dir", str(run_dir), "--json", *FAST, env=RANK_MARKED)
+    return last_json(result), run_dir, result.stderr
 
 
 def test_train_json_and_run_directory(trained):
-    out, run_dir = trained
+    out, run_dir, _ = trained
     for key in ("run_dir", "world_size", "epochs", "final", "best_top1", "checkpoint",
                 "images_per_second", "skipped_images", "restarts", "startup_seconds", "data_workers"):
         assert key in out, key
@@ -54,9 +58,22 @@ def test_train_json_and_run_directory(trained):
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
+def test_each_rank_logs_to_a_file_of_its_own_and_the_console_still_shows_it(trained):
+    """Forked workers' stdout/stderr teed to logs/rank<N>.*: each file holds its rank's lines only."""
+    _, run_dir, console = trained
+    logs = run_dir / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["rank0.stderr.log", "rank0.stdout.log",
+                                                      "rank1.stderr.log", "rank1.stdout.log"]
+    for rank in (0, 1):
+        lines = (logs / f"rank{rank}.stderr.log").read_text().splitlines()
+        assert any(line.startswith(f"[rank{rank}]:") for line in lines)
+        assert not any(line.startswith(f"[rank{1 - rank}]:") for line in lines)
+        assert all(line in console.splitlines() for line in lines)  # teed, not redirected: unprefixed
+
+
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_validate_matches_training_with_any_world_size(trained, workers):
-    out, run_dir = trained
+    out, run_dir, _ = trained
     result = last_json(run_ddp("validate", "--checkpoint", str(run_dir / "checkpoints/last.pt"),
                                "--nproc-per-node", str(workers), "--json"))
     assert result["images"] == 359

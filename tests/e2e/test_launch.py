@@ -47,7 +47,7 @@ def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
     from conftest import REPO
 
     endpoint = f"127.0.0.1:{free_port()}"
-    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "INFO"}  # [rankN]: lines
     nodes = []
     for rank in (0, 1):
         cmd = [sys.executable, "-m", "ddp_cli", "train", "configs/demo.toml", "--registry",
@@ -70,6 +70,10 @@ def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
                                "--run-dir", str(tmp_path / "single"), "--nproc-per-node", "2",
                                "--json", *SMALL, env={"OMP_NUM_THREADS": "1"}))
     assert [node["worker_start"] for node in results] == ["fork", "spawn"]
+    for rank in (0, 1):  # each node keeps its own worker's logs, named by global rank, forked or spawned
+        logs = tmp_path / f"node{rank}" / "logs"
+        assert sorted(p.name for p in logs.iterdir()) == [f"rank{rank}.stderr.log", f"rank{rank}.stdout.log"]
+        assert f"[rank{rank}]:" in (logs / f"rank{rank}.stderr.log").read_text()
     for node in results:
         assert node["world_size"] == 2
         assert node["final"]["images"] == 359

@@ -106,8 +106,8 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_a_lost_rank_stops_a_fixed_job_with_code_5_and_its_command_resumes_it_exactly(tmp_path):
     """Node 1's worker killed with SIGKILL: both launchers exit 5 in time, leaving no process."""
     run_dir, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
-    short = ["--set", "train.epochs=2", "--set", "deterministic=true"]
-    nodes = [node(rank, run_dir, endpoint, "2", *short) for rank in (0, 1)]
+    short = ["--set", "train.epochs=1", "--set", "deterministic=true"]  # 22 steps
+    nodes = [node(0, run_dir, endpoint, "2", *short), node(1, run_dir, endpoint, "2", *short, "--json")]
     try:
         wait_for_step(run_dir, 12)  # checkpoints at steps 5 and 10
         workers = [pid for run in nodes for pid in run.workers()]
@@ -121,6 +121,8 @@ def test_a_lost_rank_stops_a_fixed_job_with_code_5_and_its_command_resumes_it_ex
         for run in nodes:
             run.kill()
     assert "worker rank 1 was killed by SIGKILL" in error_line(nodes[1])
+    assert json.loads(nodes[1].stdout.strip().splitlines()[-1]) == {  # --json: the error object last
+        "error": error_line(nodes[1]).removeprefix("error: "), "exit_code": 5}
     line = error_line(nodes[0])
     assert "rank 1 (node 1) was lost" in line and "newest valid checkpoint" in line, line
     command = shlex.split(line.split("(each with its own --node-rank): ", 1)[1])

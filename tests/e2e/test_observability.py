@@ -107,11 +107,14 @@ def test_report_works_while_a_run_is_still_writing(run, tmp_path):
 
 
 def test_diverged_training_exits_4(demo_registry, tmp_path):
+    """A worker's failure, reported once; with --json also as the last stdout line."""
     result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                     str(tmp_path / "run"), "--set", "optim.lr=1e6", "--set", "data.workers=0")
+                     str(tmp_path / "run"), "--set", "optim.lr=1e6", "--set", "data.workers=0", "--json")
     assert result.returncode == 4, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "diverged" in errors[0]
+    last = json.loads(result.stdout.strip().splitlines()[-1])
+    assert last == {"error": errors[0].removeprefix("error: "), "exit_code": 4}
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

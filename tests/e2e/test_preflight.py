@@ -84,6 +84,9 @@ BAD = {
                                       "--resume /nonexistent/last.pt: no such checkpoint"),
     "wandb not installed": Bad(sets('logging.wandb={project="p", mode="offline"}'), 2,
                                "logging.wandb: the wandb package is not installed", hide=["wandb"]),
+    "tensorboard not installed": Bad(sets("logging.tensorboard=true"), 2,
+                                     "logging.tensorboard: the tensorboard package is not installed",
+                                     hide=["tensorboard"]),
     "TOML syntax error": Bad([], 2, "TOML syntax error", config='name = "x"\n[data\nbatch_size = 3\n'),
 }
 

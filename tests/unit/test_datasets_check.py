@@ -78,6 +78,7 @@ def test_check_json_finds_every_planted_fault_and_passes_the_oddities(faulty):
     assert bad_files(out) == expected("train") | expected("val")
     assert [b["path"] for b in out["bad_files"]] == sorted(b["path"] for b in out["bad_files"])
     assert "7 bad file(s) in data set 'faulty'" in result.stderr
+    assert out["exit_code"] == 3 and out["error"].startswith("7 bad file(s)")  # the list and the error
     assert "checking" not in result.stderr  # no progress bar: not a TTY, and --json
 
 

@@ -92,3 +92,12 @@ def test_the_pulse_names_the_ranks_that_went_silent(monkeypatch):
 def test_outside_an_elastic_agent_there_is_no_pulse(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     assert Heartbeat.start(CTX) is None
+
+
+def test_nodes_without_a_rendezvous_id_derive_the_same_one_from_the_endpoint():
+    from ddp_cli.run.launch import run_id
+
+    node = [LaunchOptions(rdzv_endpoint="node0:29400", node_rank=rank, nnodes=2) for rank in (0, 1)]
+    assert run_id(node[0]) == run_id(node[1]) == "ddp-node0:29400"
+    assert run_id(LaunchOptions(rdzv_endpoint="node0:29400", rdzv_id="job1")) == "job1"
+    assert run_id(LaunchOptions()) != run_id(LaunchOptions())  # one node: a fresh job each time

@@ -1,0 +1,55 @@
+"""`ddp config show | schema`: the resolved run config as a person reads it, and its JSON schema.
+
+The TOML is the whole config, every default written out and each unset key as a
+comment (TOML has no null), so feeding it back to `load_config` gives the same
+config. Nothing here touches the data or the registry.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import tomli_w
+from pydantic import BaseModel
+
+from ddp_cli.config import RunConfig
+
+SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+def render(cfg: RunConfig, fmt: str, source: str = "") -> str:
+    """`fmt` "toml" (commented, for people) or "json" (one line: every key, unset ones null)."""
+    if fmt == "json":
+        return json.dumps(cfg.model_dump(mode="json"))
+    header = [f"# {source}, resolved: every default written out, unset keys commented"] if source else []
+    return "\n".join([*header, *toml_lines(cfg, [])])
+
+
+def toml_lines(section: BaseModel, path: list[str]) -> list[str]:
+    """A section's own keys (unset ones as `# key = unset`), then its sub-sections as tables."""
+    lines = [f"[{'.'.join(path)}]"] if path else []
+    subsections = []
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            subsections.append((name, value))
+        elif value is None:
+            lines.append(f"# {name} = unset")
+        else:
+            lines.append(f"{name} = {toml_value(value)}")
+    for name, value in subsections:
+        lines += ["", *toml_lines(value, [*path, name])]
+    return lines
+
+
+def toml_value(value: Any) -> str:
+    """One TOML value; arrays inline (`[0.9, 0.999]`), as the config files write them."""
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    return tomli_w.dumps({"v": value})[len("v = "):].strip()
+
+
+def schema() -> dict[str, Any]:
+    """RunConfig's JSON schema (pydantic's), for editors: unknown keys are refused there too."""
+    return {"$schema": SCHEMA_DIALECT, **RunConfig.model_json_schema()}

@@ -1,0 +1,59 @@
+"""Each worker's stdout and stderr, kept in the job folder: `logs/rank<N>.stdout.log`, `.stderr.log`.
+
+So a failure on rank 5 of 16 can be read after the fact (the console shows every rank's lines
+interleaved, and only while it lasts). torch's elastic agent does the teeing: it points each
+worker's streams at a file, forked or spawned alike, and copies new lines on to this process's
+console as they come, so the console reads as before. Files are named by global rank (unique
+across nodes sharing a run dir); an elastic restart's are `rank<N>.restart<K>.*`; a later launch
+into the same run dir (a resume) moves the earlier files aside as `rank<N>.stderr.1.log`, `.2`, ...
+(oldest first), so `rank<N>.stderr.log` is always the latest. One exception: on a terminal, rank 0's
+stderr stays on it (no file) so its live progress table still draws; rank 0's failures are printed
+by the launcher and kept in `errors/` anyway.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
+
+
+class RankLogs(LogsSpecs):
+    """torch's LogsSpecs, laid out flat in `folder` by global rank, every stream teed."""
+
+    def __init__(self, folder: Path, live_console: bool = False) -> None:
+        super().__init__(log_dir=str(folder), tee=Std.ALL)
+        self.folder, self.live_console = folder, live_console
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self.folder)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """The files of this start of the workers (the agent calls it again on each restart)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        dest = LogsDest()
+        for local_rank, env in envs.items():
+            restart = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+            stem = f"rank{env['RANK']}" + (f".restart{restart}" if restart else "")
+            stdout, stderr, error = (self.folder / f"{stem}.{kind}" for kind in
+                                     ("stdout.log", "stderr.log", "error.json"))
+            for path in (stdout, stderr, error):
+                keep_aside(path)
+            dest.stdouts[local_rank] = dest.tee_stdouts[local_rank] = str(stdout)
+            if self.live_console and env["RANK"] == "0":
+                dest.stderrs[local_rank] = ""  # the terminal itself: rank 0's live progress
+            else:
+                dest.stderrs[local_rank] = dest.tee_stderrs[local_rank] = str(stderr)
+            dest.error_files[local_rank] = str(error)  # torch's own record of an uncaught exception
+            env["TORCHELASTIC_ERROR_FILE"] = str(error)
+        return dest
+
+
+def keep_aside(path: Path) -> None:
+    """Move an earlier launch's `path` to the first free `<stem>.<k><suffix>`: never overwritten, and
+    never read back as this launch's (torch reads a failed rank's error file)."""
+    if path.exists():
+        older = (path.with_name(f"{path.stem}.{k}{path.suffix}") for k in itertools.count(1))
+        path.rename(next(p for p in older if not p.exists()))
