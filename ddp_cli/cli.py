@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -32,9 +32,6 @@ except ImportError:  # pragma: no cover - older typer on real click
 from ddp_cli import __version__
 from ddp_cli.errors import DATA, INTERNAL, SIGINT, USAGE, ConfigError, DdpError
 from ddp_cli.fastexit import run_and_exit
-
-if TYPE_CHECKING:
-    from ddp_cli.run.launch import LaunchOptions
 
 app = typer.Typer(no_args_is_help=True, help="Train image classifiers data-parallel on "
                   "torch.distributed from one TOML file.", rich_markup_mode="markdown")
@@ -233,7 +230,7 @@ def train(
     # torchrun only rank 0 needs it)
     with IndexBuild.begin(cfg, registry, fork=os.environ.get("RANK", "0") == "0") as build:
         from ddp_cli import commands
-        from ddp_cli.run.launch import LaunchOptions, with_environment
+        from ddp_cli.run.launch import LaunchOptions, master_endpoint, standalone_checked, with_environment
 
         endpoint = master_endpoint(master_addr, master_port, rdzv_endpoint)
         opts = LaunchOptions(nproc_per_node, node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
@@ -246,33 +243,6 @@ def train(
         result = commands.train(cfg, build, run_dir, opts, resume, quiet or as_json)
     if result:
         emit(result, as_json, lambda: print_train_summary(result))
-
-
-def master_endpoint(addr: str | None, port: int | None, rdzv_endpoint: str | None) -> str | None:
-    """The rendezvous endpoint from torchrun's --master-addr/--master-port, else --rdzv-endpoint (the
-    job id every node derives alike from it when --rdzv-id is not given: `run.launch.run_id`)."""
-    if addr is None and port is None:
-        return rdzv_endpoint
-    if addr is None or port is None:
-        given, missing = ("--master-addr", "--master-port") if port is None else \
-            ("--master-port", "--master-addr")
-        raise ConfigError(f"{given} needs {missing} too (the two together are --rdzv-endpoint HOST:PORT); "
-                          "give both, or --rdzv-endpoint HOST:PORT alone")
-    if rdzv_endpoint:
-        raise ConfigError(f"--master-addr/--master-port and --rdzv-endpoint {rdzv_endpoint} both name the "
-                          "rendezvous; give only one of them")
-    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr  # IPv6
-    return f"{host}:{port}"
-
-
-def standalone_checked(opts: LaunchOptions) -> LaunchOptions:
-    """--standalone (torchrun's flag): this node alone with a local rendezvous, which is what ddp
-    does without --nnodes; refused with the flags of a multi-node job."""
-    if opts.nnodes > 1 or opts.rdzv_endpoint:
-        given = f"--nnodes {opts.nnodes}" if opts.nnodes > 1 else f"--rdzv-endpoint {opts.rdzv_endpoint}"
-        raise ConfigError(f"--standalone means this node alone, meeting at a local rendezvous; {given} "
-                          "contradicts it: drop one of the two")
-    return opts
 
 
 @command(app)

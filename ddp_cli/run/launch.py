@@ -55,6 +55,33 @@ class LaunchOptions:
         return {"nnodes": int(parts[-1]), "min_nodes": int(parts[0]) if len(parts) == 2 else None}
 
 
+def master_endpoint(addr: str | None, port: int | None, rdzv_endpoint: str | None) -> str | None:
+    """The rendezvous endpoint from torchrun's --master-addr/--master-port, else --rdzv-endpoint (the
+    job id every node derives alike from it when --rdzv-id is not given: `run.launch.run_id`)."""
+    if addr is None and port is None:
+        return rdzv_endpoint
+    if addr is None or port is None:
+        given, missing = ("--master-addr", "--master-port") if port is None else \
+            ("--master-port", "--master-addr")
+        raise ConfigError(f"{given} needs {missing} too (the two together are --rdzv-endpoint HOST:PORT); "
+                          "give both, or --rdzv-endpoint HOST:PORT alone")
+    if rdzv_endpoint:
+        raise ConfigError(f"--master-addr/--master-port and --rdzv-endpoint {rdzv_endpoint} both name the "
+                          "rendezvous; give only one of them")
+    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr  # IPv6
+    return f"{host}:{port}"
+
+
+def standalone_checked(opts: LaunchOptions) -> LaunchOptions:
+    """--standalone (torchrun's flag): this node alone with a local rendezvous, which is what ddp
+    does without --nnodes; refused with the flags of a multi-node job."""
+    if opts.nnodes > 1 or opts.rdzv_endpoint:
+        given = f"--nnodes {opts.nnodes}" if opts.nnodes > 1 else f"--rdzv-endpoint {opts.rdzv_endpoint}"
+        raise ConfigError(f"--standalone means this node alone, meeting at a local rendezvous; {given} "
+                          "contradicts it: drop one of the two")
+    return opts
+
+
 def external_launcher() -> bool:
     """True inside torchrun/another elastic agent: run in-process, never launch twice."""
     return "TORCHELASTIC_RUN_ID" in os.environ or (
