@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ddp_cli.distributed.setup import DistContext, agent_store
 
-BEAT_S = 1.0
+BEAT_S = 0.5
 READ_TIMEOUT_S = 5.0
 
 
