@@ -57,7 +57,7 @@ def train(cfg: RunConfig, build: IndexBuild, run_dir: Path | None, opts: LaunchO
     if external_launcher():
         return train_under_torchrun(cfg, build, run_dir, resume, quiet, startup)
     single_threaded()
-    run = preflight(cfg, build.registry, launch_workers(cfg, opts), resume, startup, build)
+    run = preflight(cfg, build, launch_workers(cfg, opts), resume, startup)
     folder = prepare_run(run, run_dir, quiet)
     startup.mark("hand_off")
     startup.hand_over()
@@ -99,7 +99,7 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | None
     startup.mark("process_group")
     folder, run = [None], None
     if ctx.is_main:
-        run = preflight(cfg, build.registry, joined_workers(cfg, ctx), resume, startup, build)
+        run = preflight(cfg, build, joined_workers(cfg, ctx), resume, startup)
         folder[0] = str(prepare_run(run, run_dir, quiet))
         startup.mark("hand_off")
     dist.broadcast_object_list(folder, src=0)
@@ -111,7 +111,7 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | None
 
 def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) -> dict[str, Any]:
     """--dry-run: the checks `train` makes before starting workers, and the plan they computed."""
-    return describe(preflight(cfg, build.registry, launch_workers(cfg, opts), resume, build=build))
+    return describe(preflight(cfg, build, launch_workers(cfg, opts), resume))
 
 
 def validate(checkpoint: Path, config: Path | None, dataset: str | None, registry: str | None,

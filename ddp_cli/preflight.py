@@ -84,17 +84,17 @@ def place_workers(cfg: RunConfig, nproc: int, nnodes: int) -> Workers:
     return Workers(nproc, nnodes, backend, device, precision)
 
 
-def preflight(cfg: RunConfig, registry: str | None, workers: Workers, resume: str = "never",
-              startup: StartupClock | None = None, build: IndexBuild | None = None) -> Preflight:
+def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str = "never",
+              startup: StartupClock | None = None) -> Preflight:
     """Every check of a training run, cheapest first: the first failure is a ConfigError (exit 2)
-    or a DataError (exit 3), the same line whichever command met it. `startup` times its phases;
-    `build` is the index build begun before torch was imported (else it is built here)."""
+    or a DataError (exit 3), the same line whichever command met it. `build` is the run's index
+    (begun before torch was imported where it could be); `startup` times the phases."""
     startup = startup or StartupClock()
     resume = checked_resume(resume)
     check_optimizer(cfg.optim)
     check_sync_batchnorm(cfg.model, workers.device)
     check_sinks(cfg.logging)
-    entry, index = (build or IndexBuild(cfg, registry)).result()
+    entry, index = build.result()
     startup.mark("index")
     model = checked_model(cfg, len(index.classes))
     startup.mark("model_check")
