@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 try:  # typer >= 0.20 vendors its own click
     from typer._click.exceptions import NoArgsIsHelpError, UsageError
@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - older typer on real click
     from click.exceptions import NoArgsIsHelpError, UsageError
 
 from ddp_cli import __version__
-from ddp_cli.errors import DATA, INTERNAL, SIGINT, USAGE, ConfigError, DdpError
+from ddp_cli.errors import DATA, INTERNAL, SIGINT, USAGE, ConfigError, DataError, DdpError
 from ddp_cli.fastexit import run_and_exit
 
 app = typer.Typer(no_args_is_help=True, help="Train image classifiers data-parallel on "
@@ -245,6 +245,13 @@ def train(
         emit(result, as_json, lambda: print_train_summary(result))
 
 
+WeightsOpt = Annotated[str, typer.Option(
+    "--weights", help="The checkpoint's trained weights (model) or their moving average (ema).")]
+NprocOpt = Annotated[int, typer.Option("--nproc-per-node", "--nproc_per_node", min=1,
+                                       help="Workers on this node.")]
+BatchOpt = Annotated[int | None, typer.Option(min=1, help="Images per worker per batch.")]
+
+
 @command(app)
 def validate(
     checkpoint: Annotated[Path, typer.Option(help="A checkpoint from <run>/checkpoints/.")],
@@ -252,9 +259,19 @@ def validate(
         help="Use this run config instead of the checkpoint's.")] = None,
     dataset: Annotated[str | None, typer.Option(help="Validate on this registry data set.")] = None,
     registry: RegistryOpt = None,
-    nproc_per_node: Annotated[int, typer.Option(
-        "--nproc-per-node", "--nproc_per_node", min=1, help="Workers on this node.")] = 1,
-    batch_size: Annotated[int | None, typer.Option(min=1, help="Images per worker per batch.")] = None,
+    nproc_per_node: NprocOpt = 1,
+    batch_size: BatchOpt = None,
+    weights: WeightsOpt = "model",
+    topk: Annotated[str, typer.Option(help="Accuracies to report, e.g. 1,5,10 (top1 and top5 always).")]
+    = "1,5",
+    per_class: Annotated[bool, typer.Option(
+        "--per-class", help="Each class's accuracy and count, worst first (and per_class in JSON).")] = False,
+    confusion: Annotated[Path | None, typer.Option(
+        help="Write the confusion matrix here (CSV: rows true class, columns predicted).")] = None,
+    predictions: Annotated[Path | None, typer.Option(
+        help="Write every image's path, label, top-k classes and probabilities here (CSV).")] = None,
+    tta: Annotated[str | None, typer.Option(
+        help="Test-time augmentation: flip (average with the mirrored image).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Evaluate a checkpoint on the whole validation split (each image counted once).
@@ -263,14 +280,94 @@ def validate(
 
     * `ddp validate --checkpoint runs/demo-20261122-023101/checkpoints/last.pt`
     * `ddp validate --checkpoint best.pt --nproc-per-node 3 --json`
+    * `ddp validate --checkpoint best.pt --weights ema --topk 1,5,10 --per-class --confusion cm.csv`
     * `ddp validate --checkpoint best.pt --dataset imagenet_s3 --registry data.toml`
     """
     from ddp_cli import commands
+    from ddp_cli.run.jobs import Job
     from ddp_cli.run.launch import LaunchOptions
 
-    result = commands.validate(checkpoint, config, dataset, registry, LaunchOptions(nproc_per_node),
-                               batch_size, as_json)
-    emit(result, as_json, lambda: print_mapping("validation", result))
+    job = Job("validate", as_json, str(checkpoint), weights=one_of(weights, ("model", "ema"), "--weights"),
+              topk=topk_list(topk), tta=one_of(tta, ("flip",), "--tta") == "flip" if tta else False,
+              per_class=per_class, confusion=str(confusion) if confusion else None,
+              predictions=str(predictions) if predictions else None)
+    result = commands.validate(job, config, dataset, registry, LaunchOptions(nproc_per_node), batch_size)
+    emit(result, as_json, lambda: print_validation(result))
+
+
+@command(app)
+def predict(
+    checkpoint: Annotated[Path, typer.Option(help="A checkpoint from <run>/checkpoints/.")],
+    inputs: Annotated[list[str] | None, typer.Argument(
+        help="Image files, folders (walked for images) or s3://bucket/key URLs.", show_default=False)] = None,
+    dataset: Annotated[str | None, typer.Option(help="Predict a registry data set's split instead.")] = None,
+    split: Annotated[str, typer.Option(help="With --dataset: train or val.")] = "val",
+    registry: RegistryOpt = None,
+    topk: Annotated[int, typer.Option(min=1, help="Classes per image, best first.")] = 5,
+    weights: WeightsOpt = "model",
+    batch_size: BatchOpt = None,
+    nproc_per_node: NprocOpt = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per input, one per line.")] = False,
+) -> None:
+    """The top-k classes of each image, with the checkpoint's own validation preprocessing.
+
+    A bad image gets an error entry and the others are still predicted; the exit code is then 3.
+
+    Examples:
+
+    * `ddp predict --checkpoint best.pt photos/ cat.jpg`
+    * `ddp predict --checkpoint best.pt --dataset demo --split val --topk 1 --json > preds.jsonl`
+    * `ddp predict --checkpoint best.pt s3://my-bucket/new-images/ --weights ema`
+    """
+    from ddp_cli import commands
+    from ddp_cli.run.jobs import Job
+    from ddp_cli.run.launch import LaunchOptions
+
+    job = Job("predict", as_json, str(checkpoint), weights=one_of(weights, ("model", "ema"), "--weights"),
+              topk=[topk])
+    answers = commands.predict(job, inputs or [], dataset, one_of(split, ("train", "val"), "--split"),
+                               registry, LaunchOptions(nproc_per_node), batch_size)
+    if as_json:
+        for item in answers:
+            print(json.dumps(item))
+    else:
+        print_predictions(answers)
+    failed = [a for a in answers if "error" in a]
+    if failed:
+        raise DataError(f"{len(failed)} of {len(answers)} images could not be predicted, the first "
+                        f"{failed[0]['path']}: {failed[0]['error']}")
+
+
+@command(app)
+def export(
+    checkpoint: Annotated[Path, typer.Option(help="A checkpoint, e.g. RUN_DIR/checkpoints/best.pt.")],
+    format_: Annotated[str, typer.Option(
+        "--format", help="state_dict | safetensors | torchscript | onnx.", show_default=False)],
+    out: Annotated[Path, typer.Option(help="File to write; its model card goes beside it, FILE.card.json.")],
+    weights: WeightsOpt = "model",
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a checkpoint's weights for use without ddp, and a model card beside them (FILE.card.json).
+
+    state_dict and safetensors load strictly into the builder the card names (torchvision's);
+    torchscript and onnx (batch dimension dynamic) run without it. On the CPU, in fp32, eval mode.
+
+    Examples:
+
+    * `ddp export --checkpoint runs/demo-20261122-023101/checkpoints/last.pt --format state_dict --out m.pt`
+    * `ddp export --checkpoint best.pt --format onnx --weights ema --out model.onnx --json`
+    * `ddp export --checkpoint best.pt --format safetensors --out model.safetensors`
+    """
+    from ddp_cli.export import export_checkpoint
+
+    result = export_checkpoint(checkpoint, format_, weights, out)
+
+    def human() -> None:
+        err.print(f"wrote {result['out']} ({result['format']}, {result['weights']} weights, "
+                  f"{result['bytes'] / 2**20:.1f} MiB)\nsha256 {result['sha256']}\ncard   {result['card']}",
+                  markup=False, highlight=False, soft_wrap=True)
+
+    emit(result, as_json, human)
 
 
 @command(datasets_app, "list")
@@ -377,24 +474,32 @@ def bench_data(
     name: DatasetArg,
     split: Annotated[str, typer.Option(help="train | val: whose files to read.")] = "train",
     workers: Annotated[int, typer.Option(min=0, help="DataLoader processes, for both pipelines.")] = 4,
-    seconds: Annotated[float, typer.Option(min=1, help="Timed seconds, split over both pipelines.")] = 20,
+    seconds: Annotated[float, typer.Option(min=1, help="Timed seconds, split over all pipelines.")] = 20,
     batch_size: Annotated[int, typer.Option(min=1, help="Images per batch.")] = 32,
     image_size: Annotated[int, typer.Option(min=8, help="Training crop side.")] = 224,
+    policy: Annotated[str, typer.Option(
+        help="Augmentation policy both pipelines run after the flip: none | trivialaugment | randaugment | "
+             "autoaugment, several comma-separated, or all (a row each, and each against none).")] = "none",
     registry: RegistryOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Images/s of the training input pipeline vs a plain torchvision loader, same files and workers.
+    """Images/s of the training input pipeline vs a plain torchvision loader, same files, workers and policy.
 
     Examples:
 
     * `ddp bench data demo --workers 2 --seconds 10`
     * `ddp bench data imagenet_local --workers 8 --json`
+    * `ddp bench data imagenet_local --workers 2 --policy all --seconds 120`
     """
+    from ddp_cli.bench.data import POLICIES
     from ddp_cli.bench.data import bench_data as run
 
     if split not in ("train", "val"):
         raise ConfigError(f"--split {split}: use train or val")
-    result = run(name, registry, split, workers, seconds, batch_size, image_size)
+    policies = POLICIES if policy == "all" else tuple(dict.fromkeys(policy.split(",")))
+    if unknown := [p for p in policies if p not in POLICIES]:
+        raise ConfigError(f"--policy {unknown[0]}: use {', '.join(POLICIES)} or all")
+    result = run(name, registry, split, workers, seconds, batch_size, image_size, policies)
     emit(result, as_json, lambda: print_bench(result))
 
 
@@ -593,21 +698,32 @@ def bench_e2e(
 @command(app)
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory made by `ddp train`.")],
-    out: Annotated[Path | None, typer.Option(help="PNG to write (default RUN_DIR/report.png).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="PNG to write (default RUN_DIR/report.png); any per-class one goes beside it, STEM-classes.png.",
+    )] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Plot a run's loss, accuracy, LR and images/s, and summarise it (works mid-run).
+
+    When training or `ddp validate --per-class` left an evaluation in the run dir, a second PNG
+    shows its per-class top-1 and, up to 50 classes, its confusion matrix.
 
     Examples:
 
     * `ddp report runs/demo-20261122-023101`
     * `ddp report runs/demo-20261122-023101 --out curves.png --json`
     """
-    from ddp_cli.observe.report import plot, summarize
+    from ddp_cli.observe import classes
+    from ddp_cli.observe.report import classes_png, plot, summarize
 
     summary = summarize(run_dir)
-    summary["plot"] = str(plot(run_dir, out or run_dir / "report.png"))
-    emit(summary, as_json, lambda: print_mapping("report", summary))
+    png = out or run_dir / "report.png"
+    summary["plot"] = str(plot(run_dir, png))
+    drawn = classes.plot(run_dir, classes_png(png))
+    summary["classes_plot"] = str(drawn) if drawn else None
+    human = {**summary, "worst_classes": classes.describe(summary["worst_classes"])} \
+        if "worst_classes" in summary else summary
+    emit(summary, as_json, lambda: print_mapping("report", human))
 
 
 @command(app)
@@ -726,6 +842,54 @@ def print_env(info: dict[str, Any]) -> None:
     Console().print(table, highlight=False)
 
 
+def one_of(value: str, allowed: tuple[str, ...], flag: str) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{flag} {value}: use {' or '.join(allowed)}")
+    return value
+
+
+def topk_list(text: str) -> list[int]:
+    """`--topk 1,5,10` as sorted distinct positive integers."""
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        ks = []
+    if not ks or min(ks) < 1:
+        raise ConfigError(f"--topk {text}: give positive whole numbers separated by commas, e.g. 1,5,10")
+    return sorted(set(ks))
+
+
+def print_validation(result: dict[str, Any]) -> None:
+    """The numbers; with --per-class, a table of every class, worst first."""
+    print_mapping("validation", {k: v for k, v in result.items() if k != "per_class"})
+    if "per_class" not in result:
+        return
+    table = Table("class", "synset", "description", "images", "top-1", title="per class, worst first",
+                  title_justify="left")
+    for row in sorted(result["per_class"], key=lambda r: (r["top1"] is None, r["top1"] or 0.0, r["index"])):
+        top1 = "-" if row["top1"] is None else f"{row['top1']:.4f}"
+        table.add_row(str(row["index"]), escape(row["synset"]), escape(row["description"]),
+                      str(row["images"]), top1)
+    Console().print(table)
+
+
+def print_predictions(answers: list[dict[str, Any]]) -> None:
+    """One row per input: its best class and probability, then the rest of its top-k (or its error)."""
+    table = Table(Column("input", overflow="fold"), "class", "probability", "then", title="predictions",
+                  title_justify="left")
+    here = os.getcwd() + os.sep
+    for item in answers:
+        path = escape(item["path"].removeprefix(here))
+        if "error" in item:
+            table.add_row(path, "[red]error[/red]", "", escape(item["error"]))
+            continue
+        best, *rest = item["topk"]
+        table.add_row(path, escape(f"{best['synset']} {best['description']}"),
+                      f"{best['probability']:.3f}",
+                      escape(", ".join(f"{r['description']} {r['probability']:.3f}" for r in rest)))
+    Console().print(table)
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -733,8 +897,16 @@ def _yes(flag: bool) -> str:
 def print_mapping(title: str, result: dict[str, Any]) -> None:
     table = Table(title=title, title_justify="left", show_header=False)
     for key, value in result.items():
-        table.add_row(key, json.dumps(value) if isinstance(value, dict) else _fmt(value))
+        table.add_row(key, _cell(value))
     Console().print(table)
+
+
+def _cell(value: Any) -> str:
+    """A mapping's value: a list of strings one per line (a pipeline's steps, in order), other
+    containers as JSON."""
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return "\n".join(value)
+    return json.dumps(value) if isinstance(value, dict | list) else _fmt(value)
 
 
 def print_splits(splits: dict[str, dict[str, int]]) -> None:

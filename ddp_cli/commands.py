@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 import tempfile
@@ -12,8 +13,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddp_cli.config import RunConfig, TrainConfig, config_from_dict, load_config
-from ddp_cli.data.layouts import build_index
+from ddp_cli.config import RunConfig, TrainConfig, load_config
+from ddp_cli.data.inputs import expand_inputs, input_root
+from ddp_cli.data.layouts import IndexTable, build_index
+from ddp_cli.data.storage import s3_filesystem
 from ddp_cli.distributed.setup import setup
 from ddp_cli.envinfo import machine
 from ddp_cli.errors import PEER_LOST, ConfigError, PeerLost, WorkerFailed
@@ -33,7 +36,8 @@ from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.jobs import Job, prepare_job, read_result
 from ddp_cli.run.launch import LaunchOptions, external_launcher, launch, single_threaded, with_environment
 from ddp_cli.run.worker import run_job
-from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint
+from ddp_cli.train.checkpoint import CheckpointStore
+from ddp_cli.train.trained import Trained, load_trained
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -114,25 +118,99 @@ def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) ->
     return describe(preflight(cfg, build, launch_workers(cfg, opts), resume))
 
 
-def validate(checkpoint: Path, config: Path | None, dataset: str | None, registry: str | None,
-             opts: LaunchOptions, batch_size: int | None, quiet: bool) -> dict[str, Any]:
-    """Evaluate a checkpoint on the whole val split with any number of workers."""
+def validate(job: Job, config: Path | None, dataset: str | None, registry: str | None,
+             opts: LaunchOptions, batch_size: int | None) -> dict[str, Any]:
+    """Evaluate a checkpoint on the whole val split with any number of workers; the CSV files and the
+    run's evaluation file (with --per-class) are written by rank 0."""
     single_threaded()
-    state = load_checkpoint(checkpoint)
-    cfg = load_config(config) if config else config_from_dict(state["config"], str(checkpoint))
-    cfg.model.weights = None  # the checkpoint's weights are evaluated, not the run's starting point
+    trained = load_trained(job.checkpoint, job.weights, load_config(config) if config else None)
+    cfg = trained.cfg
     if batch_size:
         cfg.data.batch_size = batch_size
-    workers, model = validation_workers(cfg, len(state["classes"]), opts)
+    workers, model = validation_workers(cfg, len(trained.classes), opts)
     cfg.data.dataset = dataset or cfg.data.dataset
-    stored = None if dataset or registry else DatasetEntry.model_validate(state["dataset"])
-    entry, index = resolve_dataset(cfg, registry, state["classes"], ("val",), stored)
+    stored = None if dataset or registry else DatasetEntry.model_validate(trained.dataset)
+    entry, index = resolve_dataset(cfg, registry, trained.classes, ("val",), stored)
     resolve_loaders(cfg, workers, entry, index, model, "val")
-    with tempfile.TemporaryDirectory(prefix="ddp-validate-") as tmp:
+    job.checkpoint = str(Path(job.checkpoint).resolve())
+    job.confusion, job.predictions = writable(job.confusion, "--confusion"), writable(job.predictions,
+                                                                                    "--predictions")
+    job.evaluation = evaluation_file(Path(job.checkpoint), job.weights) if job.per_class else None
+    result = run_inference(job, cfg, entry, index, workers.nproc, opts)
+    files = {"confusion": job.confusion, "predictions": job.predictions, "evaluation": job.evaluation}
+    return {**result, **{key: path for key, path in files.items() if path}}
+
+
+def run_inference(job: Job, cfg: RunConfig, entry: DatasetEntry, index: IndexTable, nproc: int,
+                  opts: LaunchOptions, keep: str | None = None) -> dict[str, Any]:
+    """Launch a validate or predict job in a temporary folder; its result (and the file `keep`)."""
+    with tempfile.TemporaryDirectory(prefix=f"ddp-{job.mode}-") as tmp:
         job_dir = Path(tmp)
-        prepare_job(job_dir, cfg, entry, index, Job("validate", quiet, str(Path(checkpoint).resolve())))
-        launch(job_dir, workers.nproc, opts, cfg.distributed)
-        return read_result(job_dir)
+        prepare_job(job_dir, cfg, entry, index, job)
+        launch(job_dir, nproc, opts, cfg.distributed)
+        result = read_result(job_dir)
+        if keep:
+            result[keep] = (job_dir / keep).read_text()
+        return result
+
+
+def writable(path: str | None, flag: str) -> str | None:
+    """`path` made absolute, its folder created: a bad path fails before any worker starts."""
+    if not path:
+        return None
+    target = Path(path).expanduser().resolve()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write there ({e.strerror}); choose another file") from e
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; give a file name, e.g. {path}/out.csv")
+    return str(target)
+
+
+def evaluation_file(checkpoint: Path, weights: str) -> str | None:
+    """`<run>/evaluations/<checkpoint stem>-<weights>.json` when the checkpoint lies in a run dir
+    (what `ddp report` draws); None for a checkpoint elsewhere."""
+    run_dir = checkpoint.parent.parent
+    if checkpoint.parent.name != "checkpoints" or not (run_dir / "metrics.jsonl").is_file():
+        return None
+    return writable(str(run_dir / "evaluations" / f"{checkpoint.stem}-{weights}.json"), "evaluation")
+
+
+def predict(job: Job, inputs: list[str], dataset: str | None, split: str, registry: str | None,
+            opts: LaunchOptions, batch_size: int | None) -> list[dict[str, Any]]:
+    """Top-k classes for every input image (files, folders, S3 objects or a data set split), in order;
+    a bad image is an entry with its error."""
+    single_threaded()
+    trained = load_trained(job.checkpoint, job.weights)
+    cfg = trained.cfg
+    if batch_size:
+        cfg.data.batch_size = batch_size
+    workers, model = validation_workers(cfg, len(trained.classes), opts)
+    entry, index = predict_inputs(cfg, trained, inputs, dataset, split, registry)
+    resolve_loaders(cfg, workers, entry, index, model, "val")
+    job.checkpoint = str(Path(job.checkpoint).resolve())
+    result = run_inference(job, cfg, entry, index, workers.nproc, opts, keep="predictions.jsonl")
+    return [json.loads(line) for line in result["predictions.jsonl"].splitlines()]
+
+
+def predict_inputs(cfg: RunConfig, trained: Trained, inputs: list[str], dataset: str | None, split: str,
+                   registry: str | None) -> tuple[DatasetEntry, IndexTable]:
+    """The inputs as a one-split index ("val": what the job reads) with the checkpoint's classes."""
+    if dataset:
+        if inputs:
+            raise ConfigError("INPUT and --dataset: give image files/folders or a data set split, not both")
+        cfg.data.dataset = dataset
+        entry, index = resolve_dataset(cfg, registry, trained.classes, (split,))
+        return entry, IndexTable(index.classes, index.descriptions, {"val": index.splits[split]})
+    if not inputs:
+        raise ConfigError("no INPUT: give image files, folders or s3:// URLs, or --dataset NAME --split val")
+    root = input_root(inputs)
+    driver = "S3" if root.startswith("s3://") else "FileSystem"
+    entry = DatasetEntry(name="inputs", layout="imagefolder", storage={"driver": driver, "path": root})
+    fs, fs_root = s3_filesystem(entry.storage, "check the INPUT URLs") if driver == "S3" else entry.open()
+    split_rows = expand_inputs(fs, fs_root, inputs)
+    return entry, IndexTable(trained.classes, trained.descriptions, {"val": split_rows})
 
 
 def datasets_list(registry: str | None) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import json
 import tomllib
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import (
@@ -109,23 +109,72 @@ class DataConfig(Section):
         return {self.train_size(e) for e in range(epochs)} | {self.val_image_size or self.image_size}
 
 
+class AugmentConfig(Section):
+    policy: Literal["none", "trivialaugment", "randaugment", "autoaugment"] = Field(
+        "none", description="Policy augmentation after the crop (torchvision.transforms.v2, uint8): "
+        "TrivialAugmentWide, RandAugment (magnitude, num_ops) or AutoAugment's ImageNet policy.",
+    )
+    magnitude: int = Field(9, ge=0, le=30, description="randaugment: magnitude of every op (0-30).")
+    num_ops: int = Field(2, ge=1, description="randaugment: ops applied to each image.")
+    color_jitter: float = Field(
+        0.0, ge=0, description="Brightness, contrast and saturation jitter strength (0 = off)."
+    )
+    random_erase: float = Field(
+        0.0, ge=0, le=1, description="Random erasing probability per image (0 = off)."
+    )
+    random_erase_value: Annotated[float, Field(ge=0, le=255)] | Literal["random", "mean"] = Field(
+        0.0, description='Random erasing fill: a pixel value in [0, 255] for every channel; "mean", the '
+        "ImageNet mean colour (torchvision's recipes: 0 after normalisation); or \"random\", per-pixel "
+        "noise, normal in normalised units (timm's re_mode = \"pixel\").",
+    )
+    mixup_alpha: float = Field(0.0, ge=0, description="MixUp Beta(alpha, alpha) (0 = off).")
+    cutmix_alpha: float = Field(0.0, ge=0, description="CutMix Beta(alpha, alpha) (0 = off).")
+    mix_prob: float = Field(1.0, ge=0, le=1, description="Probability that a batch is mixed at all.")
+    switch_prob: float = Field(
+        0.5, ge=0, le=1, description="With both MixUp and CutMix on: probability of CutMix for a batch."
+    )
+    repeated_aug: int = Field(
+        1, ge=1, description="Repeated augmentation: each image shown k times per epoch (differently "
+        "augmented, on different ranks), the epoch keeping its length in images (RASampler).",
+    )
+    interpolation: Literal["bilinear", "bicubic"] = Field(
+        "bilinear", description="Resize filter of the train crop and the val resize (antialiased)."
+    )
+
+    def mixing(self) -> bool:
+        return self.mix_prob > 0 and (self.mixup_alpha > 0 or self.cutmix_alpha > 0)
+
+
 class ModelConfig(Section):
     name: str = Field("resnet18", description="A torchvision classification model or 'resnet_tiny'.")
     channels_last: bool = Field(False, description="NHWC memory format (faster convs on CPU/GPU).")
     sync_batchnorm: bool = Field(False, description="Synchronise BatchNorm statistics across ranks.")
     weights: str | None = Field(
-        None, description="Initial weights from a local file: a state dict or a ddp checkpoint "
-        "(loaded with weights_only=True; nothing is downloaded).",
+        None, description="Initial weights: a local file (a state dict or a ddp checkpoint), or a "
+        "torchvision weight name (\"DEFAULT\", \"IMAGENET1K_V2\", ...) read from the torch hub cache "
+        "($TORCH_HOME); loaded with weights_only=True, nothing is downloaded.",
     )
     new_head: bool = Field(
         False, description="With weights: start a fresh classifier when the file's class count "
         "differs (fine-tuning); otherwise that is an error.",
     )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the model's builder (dropout, "
+        "stochastic_depth_prob, ...), checked against its signature at --dry-run.",
+    )
+    freeze: list[str] = Field(
+        default_factory=list, description="Modules (dotted names, e.g. \"layer1\", \"features.0\") "
+        "whose parameters are not trained.",
+    )
+    freeze_epochs: int = Field(
+        0, ge=0, description="Unfreeze model.freeze after this many epochs (0 = frozen for the whole run)."
+    )
 
 
 class OptimConfig(Section):
-    name: Literal["sgd", "adamw", "lars", "lamb"] = Field(
-        "sgd", description="Optimiser; lars and lamb adapt each layer's step for very large batches."
+    name: Literal["sgd", "adamw", "lars", "lamb", "rmsprop"] = Field(
+        "sgd", description="Optimiser; lars and lamb adapt each layer's step for very large batches; "
+        "rmsprop as EfficientNet's recipes (alpha, eps).",
     )
     lr: float | None = Field(None, gt=0, description="Absolute learning rate (overrides lr_per_256).")
     lr_per_256: float = Field(
@@ -142,6 +191,22 @@ class OptimConfig(Section):
     betas: list[float] = Field([0.9, 0.999], description="AdamW and LAMB moment decay rates [beta1, beta2].")
     trust_coefficient: float = Field(
         0.001, gt=0, description="LARS: eta, the trust ratio's scale (You et al. 2017)."
+    )
+    alpha: float = Field(0.9, gt=0, lt=1, description="rmsprop: smoothing constant of the squared "
+                         "gradient average.")
+    eps: float = Field(1e-8, gt=0, description="adamw, rmsprop: the denominator's epsilon (EfficientNet's "
+                       "RMSprop: 1e-3; torchvision's recipe: 0.0316).")
+    head_lr_mult: float = Field(
+        1.0, gt=0, description="The classifier head's learning rate as a multiple of the others' "
+        "(fine-tuning a new head faster than the pretrained body).",
+    )
+    layer_decay: float = Field(
+        1.0, gt=0, le=1, description="Layer-wise LR decay (ViT-style fine-tuning): each layer's LR is "
+        "layer_decay^(layers above it) times the head's (1.0 = off).",
+    )
+    no_decay: list[str] = Field(
+        default_factory=list, description="Parameter-name substrings excluded from weight decay besides "
+        "norms and biases, e.g. [\"pos_embedding\", \"class_token\"] (ViT).",
     )
     grad_clip: float = Field(
         0.0, ge=0, description="Clip the global gradient norm to this (0 = off); fp16 gradients are "
@@ -160,7 +225,7 @@ class OptimConfig(Section):
 
 
 class ScheduleConfig(Section):
-    name: Literal["constant", "step", "multistep", "cosine", "poly", "onecycle"] = Field(
+    name: Literal["constant", "step", "multistep", "exponential", "cosine", "poly", "onecycle"] = Field(
         "cosine", description="LR schedule, stepped every optimisation step."
     )
     warmup_epochs: float = Field(0, ge=0, description="Linear warmup from 0, in epochs.")
@@ -169,7 +234,9 @@ class ScheduleConfig(Section):
     milestones: list[float] = Field(
         [30, 60, 80], description="multistep: epochs at which the LR is multiplied by gamma."
     )
-    gamma: float = Field(0.1, gt=0, description="step/multistep: the factor.")
+    gamma: float = Field(0.1, gt=0, description="step/multistep: the factor; exponential: the factor "
+                         "per epoch, applied smoothly every step (EfficientNet's 0.97 every 2.4 epochs: "
+                         "0.9874).")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine/poly floor, as a fraction of lr.")
     power: float = Field(2.0, gt=0, description="poly: the exponent.")
     pct_start: float = Field(0.25, gt=0, lt=1, description="onecycle: fraction of steps rising.")
@@ -196,6 +263,10 @@ class CheckpointConfig(Section):
     background: bool = Field(
         True, description="Write checkpoints on a background thread from a copy in CPU memory, so "
         "steps do not wait for the disk; one write at a time, and a stop or the run's end waits for it.",
+    )
+    best_metric: Literal["top1", "ema_top1"] = Field(
+        "top1", description="What best.pt tracks: the val top-1 of the trained weights, or of their EMA "
+        "(ema_top1 needs train.ema_decay > 0).",
     )
     on_world_size_change: Literal["rescale", "refuse"] = Field(
         "rescale", description="Resuming at another world size: \"rescale\" keeps the per-worker batch, "
@@ -266,6 +337,7 @@ class RunConfig(Section):
     deterministic: bool = Field(False, description="Deterministic kernels (slower, reproducible).")
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -278,6 +350,13 @@ class RunConfig(Section):
         if self.distributed.static_graph and self.train.grad_accum > 1:
             raise ValueError("distributed.static_graph: DDP fails with it under no_sync, i.e. with "
                              "train.grad_accum > 1 (pytorch/pytorch#143580); drop one of the two")
+        return self
+
+    @model_validator(mode="after")
+    def _best_of_an_ema(self) -> RunConfig:
+        if self.checkpoint.best_metric == "ema_top1" and not self.train.ema_decay:
+            raise ValueError("checkpoint.best_metric: \"ema_top1\" needs an EMA; set train.ema_decay "
+                             "(e.g. 0.9998) or use \"top1\"")
         return self
 
     def to_toml(self) -> str:
@@ -380,7 +459,7 @@ def reference_markdown() -> str:
                 continue
             default = field.get_default(call_default_factory=True)
             shown = ("required" if field.is_required() else "unset" if default is None
-                     else json.dumps(default) if isinstance(default, list)  # inline, as TOML allows
+                     else json.dumps(default) if isinstance(default, list | dict)  # inline, as TOML allows
                      else tomli_w.dumps({"v": default})[4:].strip())
             lines.append(f"| `{prefix}{name}` | `{shown}` | {field.description} |")
 

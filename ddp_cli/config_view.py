@@ -44,9 +44,13 @@ def toml_lines(section: BaseModel, path: list[str]) -> list[str]:
 
 
 def toml_value(value: Any) -> str:
-    """One TOML value; arrays inline (`[0.9, 0.999]`), as the config files write them."""
+    """One TOML value; arrays and tables inline (`[0.9, 0.999]`, `{dropout = 0.2}`), as the config
+    files write them."""
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{tomli_w.dumps({k: 0}).split(' = ')[0]} = {toml_value(v)}"
+                               for k, v in value.items()) + "}"
     return tomli_w.dumps({"v": value})[len("v = "):].strip()
 
 

@@ -76,6 +76,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "tensorboard"),
     "wandb": ("wandb", "wandb"),
     "report": ("matplotlib", "matplotlib"),
+    "export": ("onnxscript", "onnxscript"),  # torch.onnx's exporter; it brings onnx
+    "safetensors": ("safetensors", "safetensors"),
 }
 
 

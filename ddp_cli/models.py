@@ -1,18 +1,23 @@
 """Models by name: every torchvision classification model, plus `resnet_tiny` for small images.
 
-`build_model` makes the real, freshly initialised network in a worker.
-`check_model` runs in the launcher and in `--dry-run`: it builds the same
-network on the meta device (no memory, no arithmetic), pushes a fake batch of
-every input size the run will use through it and matches `model.weights`
-against it, so a model that cannot take the configured images, or weights
-that do not fit, fail before any worker starts.
+`build_model` makes the real, freshly initialised network in a worker (with
+`model.kwargs` for its builder); `load_weights` and `freeze` are the
+fine-tuning surgery done to it before DDP wraps it. `check_model` runs in the
+launcher and in `--dry-run`: it builds the same network on the meta device
+(no memory, no arithmetic), pushes a fake batch of every input size the run
+will use through it and matches `model.weights`, `model.freeze` and
+`optim.layer_decay` against it, so a model that cannot take the configured
+images, or weights or names that do not fit, fail before any worker starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import inspect
+import re
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -23,6 +28,15 @@ from ddp_cli.io import is_checkpoint, load_plain
 
 TINY = "resnet_tiny"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrap names this way
+# "DEFAULT", "IMAGENET1K_V2" or "ResNet50_Weights.IMAGENET1K_V2": a torchvision weight name, not a file
+WEIGHT_NAME = re.compile(r"(?:\w+_Weights\.)?[A-Z][A-Z0-9_]*")
+# torchvision's DenseNet files predate its module names (torchvision renames them on load, as here)
+OLD_DENSENET = re.compile(
+    r"^(.*denselayer\d+\.(?:norm|relu|conv))\.([12]\.(?:weight|bias|running_mean|running_var))$")
+AUX_HEADS = ("AuxLogits.", "aux1.", "aux2.")  # inception_v3's and googlenet's; ddp builds them without
+MOBILENET_V3_KWARGS = ["width_mult", "reduced_tail", "dilated"]  # read by its builders, not its class
+VIT_BLOCK = re.compile(r"encoder\.layers\.encoder_layer_(\d+)\.")
+VIT_EMBEDDINGS = ("conv_proj.", "class_token", "encoder.pos_embedding")
 
 
 class BasicBlock(nn.Module):
@@ -87,8 +101,8 @@ def fixed_size(name: str) -> bool:
     return name.startswith(("vit_", "maxvit_"))
 
 
-def builder_kwargs(name: str, image_size: int) -> dict:
-    """What torchvision needs besides num_classes to build `name` for `image_size` inputs."""
+def own_kwargs(name: str, image_size: int) -> dict:
+    """What ddp passes torchvision's builder besides num_classes to build `name` for `image_size` inputs."""
     if name in ("inception_v3", "googlenet"):
         return {"aux_logits": False, "init_weights": True}  # one output; no init warning
     if name.startswith("vit_"):
@@ -98,18 +112,65 @@ def builder_kwargs(name: str, image_size: int) -> dict:
     return {}
 
 
-def build_model(cfg: ModelConfig, num_classes: int, image_size: int = 224) -> nn.Module:
-    """A freshly initialised model (the caller seeds the RNG identically on every rank)."""
-    if cfg.name == TINY:
-        return TinyResNet(num_classes)
-    if cfg.name not in known_models():
-        raise ConfigError(f"model.name: unknown model {cfg.name!r}{did_you_mean(cfg.name, known_models())}")
+def builder_kwargs(cfg: ModelConfig, image_size: int) -> dict:
+    """Every keyword argument of the builder besides num_classes: ddp's own and `model.kwargs`
+    (what an exported model's card tells a program to pass)."""
+    return {**own_kwargs(cfg.name, image_size), **cfg.kwargs}
+
+
+def model_builder(name: str) -> Callable[..., nn.Module]:
+    """The callable that makes model `name` from `num_classes=` and keyword arguments."""
+    if name == TINY:
+        return TinyResNet
+    if name not in known_models():
+        raise ConfigError(f"model.name: unknown model {name!r}{did_you_mean(name, known_models())}")
     import torchvision
 
+    builder = torchvision.models.get_model_builder(name)
+    return lambda **kwargs: builder(weights=None, **kwargs)
+
+
+def builder_keywords(name: str) -> list[str]:
+    """The keyword arguments `name`'s builder takes besides num_classes: its class's (torchvision's
+    builders pass theirs on to it; the class is their return annotation), and mobilenet_v3's own."""
+    if name == TINY:
+        cls, extra = TinyResNet, []
+    else:
+        import torchvision
+
+        cls = inspect.signature(torchvision.models.get_model_builder(name)).return_annotation
+        extra = MOBILENET_V3_KWARGS if name.startswith("mobilenet_v3") else []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in inspect.signature(cls.__init__).parameters.values()
+            if p.kind in named and p.name not in ("self", "num_classes")] + extra
+
+
+def check_kwargs(cfg: ModelConfig, image_size: int) -> None:
+    """`model.kwargs` names only keywords of the builder (a typo would otherwise be ignored by the
+    builders that take **kwargs), and none that ddp sets itself."""
+    own = own_kwargs(cfg.name, image_size)
+    known = builder_keywords(cfg.name) if cfg.kwargs else []
+    for key in cfg.kwargs:
+        if key in own:
+            raise ConfigError(f"model.kwargs: {key} is set by ddp for {cfg.name} (from data.image_size, "
+                              "or to build it with one output); remove it")
+        if key not in known:
+            raise ConfigError(f"model.kwargs: {cfg.name} takes no keyword {key!r}; its builder takes "
+                              f"{', '.join(known) or 'none'}")
+
+
+def build_model(cfg: ModelConfig, num_classes: int, image_size: int = 224) -> nn.Module:
+    """A freshly initialised model (the caller seeds the RNG identically on every rank)."""
+    builder = model_builder(cfg.name)
+    check_kwargs(cfg, image_size)
     try:
-        return torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes,
-                                            **builder_kwargs(cfg.name, image_size))
-    except (ValueError, AssertionError) as e:  # e.g. maxvit: size not a multiple of its windows
+        return builder(num_classes=num_classes, **builder_kwargs(cfg, image_size))
+    except (ValueError, AssertionError, TypeError) as e:  # e.g. maxvit: size not a multiple of its windows
+        if cfg.kwargs:
+            raise ConfigError(f"model.kwargs: {cfg.name} cannot be built with {cfg.kwargs} for "
+                              f"data.image_size = {image_size} ({first_line(e)})") from e
+        if isinstance(e, TypeError):
+            raise
         raise ConfigError(f"model.name: {cfg.name} cannot be built for data.image_size = {image_size} "
                           f"({first_line(e)})") from e
 
@@ -160,8 +221,63 @@ def check_model(cfg: RunConfig, num_classes: int) -> nn.Module:
                               f"({first_line(e)}); raise data.image_size (and data.min_image_size), "
                               "torchvision trains most models at 224, inception_v3 at 299") from e
     if cfg.model.weights:
-        select_weights(model.state_dict(), read_weights(cfg.model.weights), cfg.model, num_classes)
+        select_weights(model.state_dict(), initial_weights(cfg.model), cfg.model, num_classes)
+    check_finetune(model, cfg)
     return model
+
+
+def check_finetune(model: nn.Module, cfg: RunConfig) -> None:
+    """What fine-tuning asks of the model: modules to freeze that exist (frozen on `model`, as the
+    workers will), something left to train, and a ViT for layer-wise LR decay."""
+    freeze(model, cfg.model)
+    if not any(param.requires_grad for param in model.parameters()):
+        raise ConfigError(f"model.freeze: {', '.join(cfg.model.freeze)} holds every parameter of "
+                          f"{cfg.model.name}: nothing would train")
+    if cfg.optim.layer_decay != 1:
+        vit_depth(model, cfg.model.name)
+
+
+def is_weight_name(weights: str) -> bool:
+    """A torchvision weight name rather than a file (a file so named is given as "./DEFAULT")."""
+    return WEIGHT_NAME.fullmatch(weights) is not None
+
+
+def hub_weights(cfg: ModelConfig) -> tuple[Path, str]:
+    """The file torchvision would download for the weights `cfg.weights` names (in torch's hub cache,
+    $TORCH_HOME/hub/checkpoints) and its URL; nothing is downloaded."""
+    if cfg.name == TINY:
+        raise ConfigError(f"model.weights: {cfg.weights} is a torchvision weight name and {TINY} has "
+                          "none; give a file")
+    import torchvision
+
+    enum = torchvision.models.get_model_weights(cfg.name)
+    prefix, _, member = cfg.weights.rpartition(".")
+    if prefix and prefix != enum.__name__:
+        raise ConfigError(f"model.weights: {cfg.weights} are not {cfg.name}'s weights ({enum.__name__})")
+    if member not in enum.__members__:
+        raise ConfigError(f"model.weights: {cfg.name} has no weights {member!r}"
+                          f"{did_you_mean(member, list(enum.__members__))}")
+    url = enum[member].url
+    return Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(url).path).name, url
+
+
+def weights_file(cfg: ModelConfig) -> str:
+    """`model.weights` as a local file: the path given, or a torchvision weight name's file in the hub
+    cache, which must be there (exit 3 naming the file and where to fetch it)."""
+    if not is_weight_name(cfg.weights):
+        return cfg.weights
+    path, url = hub_weights(cfg)
+    if not path.is_file():
+        raise DataError(f"model.weights: {cfg.weights} for {cfg.name} is not in the torch hub cache: no "
+                        f"{path} (nothing is downloaded here); fetch {url} to that path on a machine with "
+                        "internet, or point $TORCH_HOME at a cache that has it")
+    return str(path)
+
+
+def initial_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors `model.weights` names, in the names of the model ddp builds."""
+    tensors = read_weights(weights_file(cfg))
+    return {OLD_DENSENET.sub(r"\1\2", k): v for k, v in tensors.items() if not k.startswith(AUX_HEADS)}
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
@@ -213,8 +329,59 @@ def select_weights(expected: Mapping[str, torch.Tensor], found: dict[str, torch.
 
 def load_weights(model: nn.Module, cfg: ModelConfig, num_classes: int) -> None:
     """Copy `model.weights` into a freshly built model (in place, on every rank)."""
-    model.load_state_dict(select_weights(model.state_dict(), read_weights(cfg.weights), cfg, num_classes),
+    model.load_state_dict(select_weights(model.state_dict(), initial_weights(cfg), cfg, num_classes),
                           strict=False)
+
+
+def frozen_parameters(model: nn.Module, cfg: ModelConfig) -> list[str]:
+    """The parameters `model.freeze` names (modules, or parameters such as ViT's class_token), by name;
+    a name the model lacks is a ConfigError with the close matches."""
+    modules = [name for name, _ in model.named_modules() if name]
+    params = [name for name, _ in model.named_parameters()]
+    for name in cfg.freeze:
+        if name not in modules and name not in params:
+            raise ConfigError(f"model.freeze: {cfg.name} has no module {name!r}"
+                              f"{did_you_mean(name, modules + params)}")
+    return [p for p in params if any(p == name or p.startswith(name + ".") for name in cfg.freeze)]
+
+
+def freeze(model: nn.Module, cfg: ModelConfig) -> None:
+    """Freeze `model.freeze` for the whole run (`freeze_epochs = 0`) before DDP wraps the model: without
+    requires_grad no gradient is computed or all-reduced for them and the optimiser never holds them.
+    Frozen for the first N epochs only, they keep their gradients and the optimiser holds them at a zero
+    LR until epoch N (`optim.param_groups`): DDP's set of gradients cannot change mid-run."""
+    frozen = set(frozen_parameters(model, cfg))  # the names are checked either way
+    if cfg.freeze_epochs:
+        return
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
+def classifier_head(model: nn.Module) -> str:
+    """The module that makes the logits: the last Linear (SqueezeNet: Conv2d) the model registers, i.e.
+    fc (ResNet, RegNet), classifier.N (VGG, EfficientNet, ConvNeXt, MobileNet), heads.head (ViT), head
+    (Swin; TinyResNet's head.2); tested on all of torchvision's classifiers."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)][-1]
+
+
+def vit_depth(model: nn.Module, name: str) -> int:
+    """L, the encoder blocks of a torchvision ViT; layer-wise LR decay is defined for nothing else."""
+    blocks = {int(m.group(1)) for p, _ in model.named_parameters() if (m := VIT_BLOCK.match(p))}
+    if not blocks:
+        raise ConfigError(f"optim.layer_decay: layer-wise LR decay needs a ViT (torchvision vit_*: "
+                          f"encoder.layers.encoder_layer_N); {name} has no such layers; set "
+                          "optim.layer_decay = 1")
+    return max(blocks) + 1
+
+
+def vit_layer(param: str, depth: int) -> int:
+    """A ViT parameter's layer for layer-wise LR decay (BEiT's numbering): 0 for the patch and position
+    embeddings and the class token, i + 1 for encoder block i, depth + 1 for the final norm and the head."""
+    if param.startswith(VIT_EMBEDDINGS):
+        return 0
+    block = VIT_BLOCK.match(param)
+    return int(block.group(1)) + 1 if block else depth + 1
 
 
 def _other_class_count(model_tensor: torch.Tensor, file_tensor: torch.Tensor, num_classes: int) -> bool:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddp_cli.config import RunConfig
+from ddp_cli.config import AugmentConfig, RunConfig
+from ddp_cli.data.augment import op_names
 from ddp_cli.distributed.reduce import powersgd_warmup
 from ddp_cli.models import count_parameters
 from ddp_cli.preflight import Preflight
+from ddp_cli.train.optim import param_groups
 from ddp_cli.train.schedules import lr_factor, warmup_steps
+
+NORMALIZE = "Normalize(ImageNet mean, std) (on the device)"
 
 
 def lr_preview(cfg: RunConfig, lr: float, steps: int) -> dict[str, float]:
@@ -32,6 +36,42 @@ def image_sizes(cfg: RunConfig) -> dict[str, int]:
         if size != last:
             sizes[f"train from epoch {epoch + 1}"], last = size, size
     return {**sizes, "val": cfg.data.val_image_size or cfg.data.image_size}
+
+
+def augmentation(cfg: RunConfig) -> list[str]:
+    """The train pipeline in the order it runs: the sampler, each image in the loaders, each batch on
+    the device."""
+    data, aug = cfg.data, cfg.augment
+    k = aug.repeated_aug
+    sampler = [f"RepeatedAugmentation(k={k}): each image {k} times per epoch, on different ranks "
+               "(the sampler)"] if k > 1 else []
+    crop = (f"RandomResizedCrop({data.image_size}, scale=({data.min_crop_scale:g}, 1), {aug.interpolation}, "
+            "antialias)")
+    flip = ["RandomHorizontalFlip"] if data.hflip else []
+    return [*sampler, crop, *flip, *op_names(aug), NORMALIZE, *mixing(aug)]
+
+
+def mixing(aug: AugmentConfig) -> list[str]:
+    if not aug.mixing():
+        return []
+    kinds = [f"{kind}(alpha={alpha:g})" for kind, alpha in (("MixUp", aug.mixup_alpha),
+                                                            ("CutMix", aug.cutmix_alpha)) if alpha]
+    switch = f", switch_prob {aug.switch_prob:g}" if len(kinds) == 2 else ""
+    return [f"{' / '.join(kinds)}, mix_prob {aug.mix_prob:g}{switch} (on the device, per batch)"]
+
+
+def val_preprocessing(cfg: RunConfig) -> list[str]:
+    data = cfg.data
+    return [f"Resize({data.val_resize}, {cfg.augment.interpolation}, antialias)",
+            f"CenterCrop({data.val_image_size or data.image_size})", NORMALIZE]
+
+
+def groups(run: Preflight) -> list[dict[str, Any]]:
+    """The optimiser's parameter groups as the workers will make them (frozen modules left out): their
+    size, peak LR, weight decay and the epochs they stay frozen."""
+    return [{"parameters": sum(p.numel() for p in group["params"]), "lr": run.lr * group["lr_scale"],
+             "weight_decay": group["weight_decay"], "frozen_epochs": group["frozen_epochs"]}
+            for group in param_groups(run.model, run.cfg.optim, run.cfg.model)]
 
 
 def describe(run: Preflight) -> dict[str, Any]:
@@ -62,7 +102,10 @@ def describe(run: Preflight) -> dict[str, Any]:
         "schedule": cfg.schedule.name,
         "warmup_steps": warmup_steps(cfg.schedule, steps),
         "lr_schedule": lr_preview(cfg, run.lr, steps),
+        "param_groups": groups(run),
         "image_size": image_sizes(cfg),
+        "augmentation": augmentation(cfg),
+        "val_preprocessing": val_preprocessing(cfg),
         "data_workers": run.loaders.as_dict(),  # loader processes and prefetch per worker, and why
         "precision": workers.precision,  # "auto" resolved for this node's devices
         "channels_last": cfg.model.channels_last,

@@ -24,7 +24,7 @@ from ddp_cli.data.layouts import IndexTable
 from ddp_cli.distributed.setup import DistContext, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.indexing import IndexBuild
-from ddp_cli.models import check_model
+from ddp_cli.models import check_model, is_weight_name
 from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry
@@ -116,7 +116,7 @@ def resolve_loaders(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index
     """`choose_loaders` for this node, written into the config: the workers read concrete numbers."""
     fs, root = entry.open()
     choice = choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split].paths,
-                            model, train=split == "train")
+                            model, train=split == "train", augment=cfg.augment)
     cfg.data.workers, cfg.data.prefetch_factor = choice.workers, choice.prefetch_factor
     return choice
 
@@ -131,8 +131,9 @@ def checked_resume(resume: str) -> str:
 
 
 def checked_model(cfg: RunConfig, num_classes: int) -> nn.Module:
-    """`check_model`, with `model.weights` made absolute: workers and later resumes may start elsewhere."""
-    if cfg.model.weights:
+    """`check_model`, with a `model.weights` file made absolute: workers and later resumes may start
+    elsewhere (a torchvision weight name stays a name)."""
+    if cfg.model.weights and not is_weight_name(cfg.model.weights):
         cfg.model.weights = str(Path(cfg.model.weights).expanduser().resolve())
     return check_model(cfg, num_classes)
 

@@ -1,7 +1,7 @@
 """Trainer replicas fed synthetic global batches directly (no loaders), for the gloo tests.
 
-Rank r of k takes positions r, r+k, ... of each global batch, as ShardSampler
-deals them, so k replicas see exactly the batch one process would.
+Rank r of k takes the block [r*b, (r+1)*b) of each micro-batch's k*b positions, as
+ShardSampler deals them, so k replicas see exactly the batch one process would.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ddp_cli.config import RunConfig, config_from_dict
 from ddp_cli.data.loaders import Loaders
@@ -42,12 +43,25 @@ def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return images, torch.randint(0, CLASSES, (size,), generator=g)
 
 
-def make_trainer(rank: int, world_size: int, cfg: RunConfig, steps: int, folder: str) -> Trainer:
+def group_norm_for_batchnorm(model: nn.Module) -> nn.Module:
+    """Each BatchNorm2d replaced by a one-group GroupNorm: a normalisation within each image, so no
+    statistic crosses images (or ranks), in training mode as in eval."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.BatchNorm2d):
+                setattr(module, name, nn.GroupNorm(1, child.num_features))
+    return model
+
+
+def make_trainer(rank: int, world_size: int, cfg: RunConfig, steps: int, folder: str,
+                 batchnorm: bool = True) -> Trainer:
     """A Trainer as a worker builds one, with no loaders (steps are fed by hand) and checkpoints
-    in `folder`/checkpoints (rank 0 writes)."""
+    in `folder`/checkpoints (rank 0 writes); `batchnorm=False`: GroupNorm in its place."""
     ctx = DistContext(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
     seed_everything(cfg.seed)
     model = build_model(cfg.model, CLASSES)
+    if not batchnorm:
+        group_norm_for_batchnorm(model)
     store = CheckpointStore(Path(folder) / "checkpoints", cfg.checkpoint.keep_last)
     trainer = Trainer(cfg, ctx, model, Loaders(None, [], None), steps, Checkpointer(store, writes=rank == 0))
     trainer.model.eval()  # BatchNorm in eval: a sample's gradient does not depend on its batch-mates
@@ -58,22 +72,23 @@ def step_replica(trainer: Trainer, rank: int, world_size: int, step: int) -> Non
     """One optimisation step on this rank's slice of global batch `step`."""
     accum, batch = trainer.accum, trainer.cfg.data.batch_size
     images, labels = global_batch(step, world_size * batch * accum)
-    mine = torch.arange(rank, len(labels), world_size)
-    micro = [(images[idx], labels[idx], [""] * len(idx), [""] * len(idx)) for idx in mine.chunk(accum)]
-    trainer.train_step(micro)
+    mine = torch.arange(len(labels)).view(accum, world_size, batch)[:, rank]  # each micro-batch's block
+    trainer.train_step([(images[idx], labels[idx], [""] * batch, [""] * batch) for idx in mine])
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
 
 
-def train_replica(rank: int, world_size: int, sections: dict, steps: int, folder: str) -> dict:
+def train_replica(rank: int, world_size: int, sections: dict, steps: int, folder: str,
+                  batchnorm: bool = True) -> dict:
     """Run `steps` optimisation steps; {"start": the weights the run began from, "end": after training}
     (checked identical across ranks)."""
-    trainer = make_trainer(rank, world_size, make_config(sections), steps, folder)
+    trainer = make_trainer(rank, world_size, make_config(sections), steps, folder, batchnorm)
     start = weights(trainer)
     for step in range(steps):
         step_replica(trainer, rank, world_size, step)
+        trainer.state.step += 1  # as train_epoch counts them: batch mixing draws per step
     if world_size > 1:
         assert_identical_across_ranks(trainer.model.module, "after training")
     return {"start": start, "end": weights(trainer)}

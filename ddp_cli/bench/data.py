@@ -10,7 +10,12 @@ batch in the consuming process:
 - baseline: the torchvision ImageNet recipe: PIL open + convert("RGB"),
   RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize, float collate.
 
-The machine may be busy with other work, so the two are measured in
+With a policy (`policies`), both run it after the flip with the same bilinear
+interpolation: ddp v2's op on its uint8 crop (`augment.py`), the baseline the
+plain `torchvision.transforms` op on its PIL image, where torchvision's
+reference recipe puts it.
+
+The machine may be busy with other work, so the pipelines are measured in
 alternating rounds (each with fresh workers and a warm-up) and each rate is the
 total images over the total timed seconds of its rounds.
 """
@@ -24,20 +29,24 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import fsspec
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import transforms as T
 
-from ddp_cli.config import DataConfig
+from ddp_cli.config import AugmentConfig, DataConfig
+from ddp_cli.data.augment import policy, train_transform
 from ddp_cli.data.layouts import build_index
 from ddp_cli.data.loaders import ImageDataset
+from ddp_cli.data.packed import Split
 from ddp_cli.data.storage import FileReader
-from ddp_cli.data.transforms import MEAN, STD, TrainTransform, to_model_input
+from ddp_cli.data.transforms import MEAN, STD, to_model_input
 from ddp_cli.errors import ConfigError
 from ddp_cli.registry import load_registry
 
 ROUNDS = 3
+POLICIES = ("none", "trivialaugment", "randaugment", "autoaugment")
 
 
 class EndlessSampler(Sampler[int]):
@@ -53,11 +62,13 @@ class EndlessSampler(Sampler[int]):
 
 
 class TorchvisionStyle(Dataset):
-    """torchvision's ImageFolder loader and ImageNet-example transforms, over our file list."""
+    """torchvision's ImageFolder loader and ImageNet-example transforms, over our file list; `augment`'s
+    policy after the flip, as torchvision's reference recipe places it (v1, its default)."""
 
-    def __init__(self, reader: FileReader, paths: Sequence[str], size: int) -> None:
+    def __init__(self, reader: FileReader, paths: Sequence[str], size: int, augment: AugmentConfig) -> None:
         self.reader, self.paths = reader, paths
         self.transform = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(),
+                                    *(op for _, op in policy(augment, T)),
                                     T.ToTensor(), T.Normalize(MEAN, STD)])
         self.size = size
 
@@ -73,22 +84,17 @@ class TorchvisionStyle(Dataset):
 
 
 def bench_data(name: str, registry: str | None, split: str = "train", workers: int = 2,
-               seconds: float = 20.0, batch_size: int = 32, image_size: int = 224) -> dict:
-    """Measure both pipelines on data set `name`; return the shared bench dict."""
+               seconds: float = 20.0, batch_size: int = 32, image_size: int = 224,
+               policies: Sequence[str] = ("none",)) -> dict:
+    """Measure both pipelines with each policy on data set `name`; return the shared bench dict."""
     entry = load_registry(registry).get(name)
     fs, root = entry.open()
     table = build_index(fs, root, entry.layout, splits=(split,)).splits[split]
     if len(table) < batch_size:
         raise ConfigError(f"bench data: the {split} split of {name!r} has {len(table)} images, fewer "
                           f"than --batch-size {batch_size}")
-    reader = FileReader(fs, root)
-    ours = ImageDataset(fs, root, table, TrainTransform(image_size), "skip", image_size)
-    theirs = TorchvisionStyle(reader, table.paths, image_size)
-    cpu = torch.device("cpu")
-    pipelines: dict[str, tuple[Dataset, Callable]] = {
-        "ddp": (ours, lambda batch: to_model_input(batch[0], cpu, channels_last=False)),
-        "baseline": (theirs, lambda batch: batch),
-    }
+    pipelines = {key: pipeline for p in policies
+                 for key, pipeline in both_pipelines(fs, root, table, image_size, p).items()}
     totals = {key: [0, 0.0] for key in pipelines}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the consumer, like each loader process, on one core
@@ -102,6 +108,7 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
     finally:
         torch.set_num_threads(threads)
     rates = {key: images / elapsed for key, (images, elapsed) in totals.items()}
+    ratios = {p: rates[p, "ddp"] / rates[p, "baseline"] for p in policies}
     return {
         "bench": "data",
         "dataset": name,
@@ -112,9 +119,26 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
         "image_size": image_size,
         "seconds": seconds,
         "machine": machine(),
-        "rows": [{"pipeline": key, "images": totals[key][0], "seconds": totals[key][1],
-                  "images_per_second": rate} for key, rate in rates.items()],
-        "ratio": rates["ddp"] / rates["baseline"],
+        "rows": [{"policy": p, "pipeline": pipeline, "images": totals[p, pipeline][0],
+                  "seconds": totals[p, pipeline][1], "images_per_second": rate,
+                  "vs_none": rate / rates["none", pipeline] if "none" in policies else None}
+                 for (p, pipeline), rate in rates.items()],
+        "ratios": ratios,  # ddp over the baseline, per policy
+        "ratio": ratios[policies[0]],
+    }
+
+
+def both_pipelines(fs: fsspec.AbstractFileSystem, root: str, table: Split, image_size: int,
+                   policy_name: str) -> dict[tuple[str, str], tuple[Dataset, Callable]]:
+    """ddp's and the baseline's pipeline with `policy_name`, each with how its consumer takes a batch."""
+    augment = AugmentConfig(policy=policy_name)
+    ours = ImageDataset(fs, root, table, train_transform(DataConfig(image_size=image_size), augment), "skip",
+                        image_size)
+    theirs = TorchvisionStyle(FileReader(fs, root), table.paths, image_size, augment)
+    cpu = torch.device("cpu")
+    return {
+        (policy_name, "ddp"): (ours, lambda batch: to_model_input(batch[0], cpu, channels_last=False)),
+        (policy_name, "baseline"): (theirs, lambda batch: batch),
     }
 
 

@@ -39,7 +39,8 @@ from ddp_cli.bench.data import machine
 from ddp_cli.bench.metadata import TRAIN_IMAGES, write_metadata
 from ddp_cli.config import DataConfig
 from ddp_cli.data.layouts import IndexTable, build_index
-from ddp_cli.data.loaders import ImageDataset, ShardSampler, make_loader
+from ddp_cli.data.loaders import ImageDataset, make_loader
+from ddp_cli.data.sampler import ShardSampler
 from ddp_cli.data.storage import FileReader
 from ddp_cli.data.transforms import ValTransform
 from ddp_cli.errors import DdpError

@@ -1,6 +1,6 @@
 """`data.workers = "auto"`: a rank's loader processes and prefetch, from its cores and a measurement.
 
-Per image a loader process spends D ms reading, decoding and cropping
+Per image a loader process spends D ms reading, decoding, cropping and augmenting
 (measured here on a few of the data set's own images), and the model M
 core-ms training on it. A rank has C cores (this process's CPU affinity over
 the ranks of the node).
@@ -36,11 +36,12 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddp_cli.config import DataConfig
+from ddp_cli.config import AugmentConfig, DataConfig
+from ddp_cli.data.augment import train_transform
 from ddp_cli.data.images import BadImage
 from ddp_cli.data.loaders import fetch
 from ddp_cli.data.storage import FileReader
-from ddp_cli.data.transforms import TrainTransform, ValTransform
+from ddp_cli.data.transforms import ValTransform
 
 MIN_GAIN = 0.10  # loader processes on CPU only when they would speed a step up this much
 QUEUED = 4  # batches prefetched per rank, in all
@@ -134,15 +135,16 @@ def choose_prefetch(workers: int) -> int:
 
 
 def choose_loaders(cfg: DataConfig, device: str, nproc: int, fs: fsspec.AbstractFileSystem, root: str,
-                   paths: Sequence[str], model: nn.Module, train: bool = True) -> LoaderChoice:
+                   paths: Sequence[str], model: nn.Module, train: bool = True,
+                   augment: AugmentConfig = AugmentConfig()) -> LoaderChoice:
     """`data.workers` and `data.prefetch_factor`, each as set or, if "auto", by the rule."""
     if cfg.workers != "auto":
         workers, rule, inputs = cfg.workers, "data.workers as set", {}
     else:
         cores = cores_per_rank(nproc)
         size = cfg.image_size if train else cfg.val_image_size or cfg.image_size
-        transform = TrainTransform(size, cfg.min_crop_scale, cfg.hflip) if train else \
-            ValTransform(size, cfg.val_resize)
+        transform = train_transform(cfg, augment, size) if train else \
+            ValTransform(size, cfg.val_resize, augment.interpolation)
         decode = decode_ms(fs, root, paths, transform)
         cost = model_ms(model, size, train) if device == "cpu" and cores > 1 else None
         workers, rule = choose_workers(cores, device, decode, cost)

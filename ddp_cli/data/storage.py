@@ -71,8 +71,10 @@ def storage_error(e: Exception, where: str) -> DataError | None:
     return None
 
 
-def s3_filesystem(storage) -> tuple[fsspec.AbstractFileSystem, str]:
-    """An s3fs filesystem for `storage` and the root as bucket/prefix, checked by one listing."""
+def s3_filesystem(storage, fix: str = "fix storage.path in the registry"
+                  ) -> tuple[fsspec.AbstractFileSystem, str]:
+    """An s3fs filesystem for `storage` and the root as bucket/prefix, checked by one listing (`fix`
+    says what to do when it is not there)."""
     require_extra("s3", storage.path)
     client = {k: v for k, v in (("endpoint_url", storage.endpoint_url), ("region_name", storage.region))
               if v}
@@ -85,7 +87,7 @@ def s3_filesystem(storage) -> tuple[fsspec.AbstractFileSystem, str]:
         fs.ls(root)
     except FileNotFoundError as e:
         what = "no such bucket" if "bucket" in str(e).lower() else "no such prefix in the bucket"
-        raise DataError(f"{storage.path}: {what}; fix storage.path in the registry") from e
+        raise DataError(f"{storage.path}: {what}; {fix}") from e
     except Exception as e:
         mapped = storage_error(e, storage.path)
         if mapped is None:

@@ -3,7 +3,9 @@
 Each pipeline knows its crop before decoding, so the decoder can shrink the
 image in the DCT (`images.decode`), and the crop and resize are one
 antialiased bilinear `interpolate` on uint8 (PyTorch's vectorised path, the
-same filter as PIL's, several times faster). Workers ship uint8 HWC tensors
+same filter as PIL's, several times faster; bicubic too, PIL's filter to the
+pixel, overshoot saturated). The train crop then gets the run's per-image
+augmentation (`augment.py`). Workers ship uint8 HWC tensors
 (4x less to copy and pin than float); the device does the `permute` (which
 yields channels_last strides for free), the float conversion and the
 ImageNet normalisation.
@@ -12,6 +14,7 @@ ImageNet normalisation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,34 +26,38 @@ STD = (0.229, 0.224, 0.225)
 
 
 class TrainTransform:
-    """RandomResizedCrop + optional horizontal flip, decoding only as many pixels as needed."""
+    """RandomResizedCrop + optional horizontal flip, decoding only as many pixels as needed, then
+    `augment` (uint8 HWC in and out)."""
 
-    def __init__(self, size: int, min_scale: float = 0.08, hflip: bool = True) -> None:
+    def __init__(self, size: int, min_scale: float = 0.08, hflip: bool = True,
+                 interpolation: str = "bilinear",
+                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.size, self.scale, self.hflip = size, (min_scale, 1.0), hflip
         self.ratio = (3 / 4, 4 / 3)
+        self.interpolation, self.augment = interpolation, augment
 
     def __call__(self, img: EncodedImage) -> torch.Tensor:
         top, left, h, w = random_resized_crop(img.width, img.height, self.scale, self.ratio)
         reduce = min(w, h) / self.size
         pixels, k = decode(img, math.ceil(img.width / reduce), math.ceil(img.height / reduce))
-        out = crop_resize(pixels, (top * k, left * k, h * k, w * k), self.size)
+        out = crop_resize(pixels, (top * k, left * k, h * k, w * k), self.size, self.interpolation)
         if self.hflip and torch.rand(()) < 0.5:
             out = out.flip(1)
-        return out
+        return self.augment(out) if self.augment else out
 
 
 class ValTransform:
     """Resize the shorter side to `resize`, center-crop `size`: one resize call."""
 
-    def __init__(self, size: int, resize: int) -> None:
-        self.size, self.resize = size, resize
+    def __init__(self, size: int, resize: int, interpolation: str = "bilinear") -> None:
+        self.size, self.resize, self.interpolation = size, resize, interpolation
 
     def __call__(self, img: EncodedImage) -> torch.Tensor:
         scale = self.resize / min(img.width, img.height)
         pixels, k = decode(img, math.ceil(img.width * scale), math.ceil(img.height * scale))
         side = self.size / scale  # crop side in original pixels
         top, left = (img.height - side) / 2, (img.width - side) / 2
-        return crop_resize(pixels, (top * k, left * k, side * k, side * k), self.size)
+        return crop_resize(pixels, (top * k, left * k, side * k, side * k), self.size, self.interpolation)
 
 
 def random_resized_crop(
@@ -76,14 +83,16 @@ def random_resized_crop(
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def crop_resize(pixels: torch.Tensor, box: tuple[float, float, float, float], size: int) -> torch.Tensor:
-    """The (top, left, height, width) box of an HWC uint8 image, resized to size x size HWC uint8."""
+def crop_resize(pixels: torch.Tensor, box: tuple[float, float, float, float], size: int,
+                mode: str = "bilinear") -> torch.Tensor:
+    """The (top, left, height, width) box of an HWC uint8 image, resized (antialiased bilinear or bicubic)
+    to size x size HWC uint8."""
     top, left, h, w = box
     y0, x0 = max(0, round(top)), max(0, round(left))
     y1 = min(pixels.shape[0], max(y0 + 1, round(top + h)))
     x1 = min(pixels.shape[1], max(x0 + 1, round(left + w)))
     crop = pixels[y0:y1, x0:x1].unsqueeze(0).permute(0, 3, 1, 2)  # NCHW view of NHWC memory
-    out = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    out = F.interpolate(crop, size=(size, size), mode=mode, antialias=True, align_corners=False)
     return out[0].permute(1, 2, 0).contiguous()  # channels_last in, channels_last out: no copy
 
 

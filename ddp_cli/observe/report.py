@@ -1,4 +1,7 @@
-"""`ddp report`: a run's curves as one PNG and a short summary, even while it is still running."""
+"""`ddp report`: a run's curves as one PNG and a short summary, even while it is still running.
+
+The per-class picture beside it is ddp_cli/observe/classes.py's.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from statistics import median
 from typing import Any
 
 from ddp_cli.errors import ConfigError, require_extra
+from ddp_cli.observe import classes
 from ddp_cli.observe.sinks import read_metrics
 
 
@@ -38,6 +42,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "best_top1": best["top1"] if best else None,
         "best_epoch": best["epoch"] if best else None,
         "images_per_second": median(rates) if rates else None,
+        **classes.summary(classes.latest_evaluation(run_dir)),
     }
 
 
@@ -71,6 +76,11 @@ def figure(run_dir: Path):
         ax.grid(alpha=0.3)
     fig.suptitle(run_dir.name)
     return fig
+
+
+def classes_png(out: Path) -> Path:
+    """Where the per-class picture goes: beside the curves, `report.png` -> `report-classes.png`."""
+    return out.with_name(f"{out.stem}-classes.png")
 
 
 def plot(run_dir: Path, out: Path) -> Path:

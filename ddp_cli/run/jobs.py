@@ -1,7 +1,8 @@
 """The job folder: how the launcher hands work to its workers and gets answers back.
 
 For `train` it is the run directory itself (config.toml, metrics.jsonl,
-checkpoints/); for `validate` a temporary folder. The launcher writes the
+checkpoints/); for `validate` and `predict` a temporary folder (`predict` gets
+its answers back in `predictions.jsonl`). The launcher writes the
 resolved config, the registry entry, the index tables (built once per run, not
 once per rank) and `job.json`; rank 0 writes `result.json`; a failing rank
 writes `errors/rank<N>.json` so the launcher can name the original failure.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,17 @@ from ddp_cli.registry import DatasetEntry
 
 @dataclass
 class Job:
-    mode: str  # "train" | "validate"
+    mode: str  # "train" | "validate" | "predict"
     quiet: bool = False
-    checkpoint: str | None = None  # validate: the checkpoint to evaluate
+    checkpoint: str | None = None  # validate, predict: the checkpoint to use
     resume: str = "never"  # train: auto | never | a checkpoint path
+    weights: str = "model"  # validate, predict: the checkpoint's "model" or "ema" weights
+    topk: list[int] = field(default_factory=lambda: [1, 5])  # validate: accuracies; predict: [k]
+    tta: bool = False  # validate: average with the horizontally flipped image
+    per_class: bool = False  # validate: per-class accuracy in the result
+    confusion: str | None = None  # validate: CSV files to write (absolute paths)
+    predictions: str | None = None
+    evaluation: str | None = None  # validate: the run's evaluation file for `ddp report`
 
 
 def prepare_job(folder: Path, cfg: RunConfig, entry: DatasetEntry, index: IndexTable, job: Job) -> None:

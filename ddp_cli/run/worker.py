@@ -8,6 +8,7 @@ averaging that DDP does inside every step.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -25,21 +26,26 @@ from torch import nn
 
 from ddp_cli.config import RunConfig
 from ddp_cli.data.layouts import IndexTable
-from ddp_cli.data.loaders import build_loaders
+from ddp_cli.data.loaders import build_loaders, eval_loader
 from ddp_cli.distributed.heartbeat import Heartbeat, describe_loss
 from ddp_cli.distributed.setup import DistContext, seed_everything, setup, teardown
 from ddp_cli.distributed.signals import StopRequest, control_group
-from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, ConfigError, DdpError
+from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, DdpError
 from ddp_cli.fastexit import exit_if_stuck, exit_now
-from ddp_cli.models import build_model, load_weights
+from ddp_cli.io import write_text
+from ddp_cli.models import build_model, freeze, load_weights
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.jobs import Job, read_job, record_error, write_result
-from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore, load_checkpoint
+from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
+from ddp_cli.train.eval_outputs import evaluation_record, write_confusion, write_evaluation, write_predictions
+from ddp_cli.train.inference import evaluate, predict
+from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.precision import resolve_precision
-from ddp_cli.train.trainer import Trainer, count_steps, evaluate
+from ddp_cli.train.trained import load_trained
+from ddp_cli.train.trainer import Trainer, count_steps
 
 log = logging.getLogger("ddp")
 LAUNCHED = "DDP_LAUNCHED"  # set by our launcher for its workers
@@ -101,13 +107,14 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
     model = build_model(cfg.model, len(index.classes), cfg.data.image_size)  # same seed: same weights
     if cfg.model.weights:
         load_weights(model, cfg.model, len(index.classes))
+    freeze(model, cfg.model)  # fine-tuning: before DDP wraps it
     startup.mark("model")
     fs, root = entry.open()
     loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
-                            pin_memory=ctx.device.type == "cuda")
+                            pin_memory=ctx.device.type == "cuda", augment=cfg.augment)
     startup.mark("loaders")
     meta = {"config": cfg.model_dump(mode="json"), "dataset": entry.model_dump(mode="json"),
-            "classes": index.classes}
+            "classes": index.classes, "descriptions": index.descriptions}
     checkpointer = Checkpointer(CheckpointStore(folder / "checkpoints", cfg.checkpoint.keep_last),
                                 writes=ctx.local_rank == 0, every_steps=cfg.checkpoint.every_steps,
                                 stop=StopRequest(control_group(ctx.backend)), meta=meta,
@@ -116,6 +123,11 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
     console = RunConsole(ctx.is_main and not job.quiet, cfg.logging.every_steps)
     trainer = Trainer(cfg, ctx, model, loaders, count_steps(len(loaders.train), cfg.train),
                       checkpointer, metrics, console, startup)
+    if ctx.is_main:
+        trainer.on_validation = lambda totals, epoch: write_evaluation(
+            folder / "evaluation.json", evaluation_record(
+                totals, index.classes, index.descriptions, source=f"train epoch {epoch}", checkpoint=None,
+                weights="model", dataset=entry.name, split="val"))
     startup.mark("ddp")
     return trainer
 
@@ -144,24 +156,73 @@ def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntr
     }
 
 
-def validate_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
-                 index: IndexTable, job: Job) -> dict[str, Any]:
-    state = load_checkpoint(job.checkpoint)
-    model = build_model(cfg.model, len(index.classes), cfg.data.image_size)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        raise ConfigError(f"{job.checkpoint}: weights do not fit model {cfg.model.name!r} with "
-                          f"{len(index.classes)} classes; pass the run's own --config") from e
+def inference_setup(cfg: RunConfig, ctx: DistContext, job: Job) -> tuple[nn.Module, str]:
+    """The checkpoint's chosen weights on this rank's device, and the precision to run them in."""
+    model = load_trained(job.checkpoint, job.weights, cfg).build()
     model.to(ctx.device, memory_format=torch.channels_last if cfg.model.channels_last
              else torch.preserve_format)
+    return model, resolve_precision(cfg.train.precision, ctx.device)
+
+
+def validate_job(cfg: RunConfig, ctx: DistContext, entry: DatasetEntry, index: IndexTable,
+                 job: Job) -> dict[str, Any]:
+    """The checkpoint over the whole val split; rank 0 writes the files asked for."""
+    model, precision = inference_setup(cfg, ctx, job)
     fs, root = entry.open()
     loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
-                            pin_memory=ctx.device.type == "cuda", train=False)
-    precision = resolve_precision(cfg.train.precision, ctx.device)
-    metrics = evaluate(model, loaders.val, ctx.device, precision, cfg.model.channels_last)
-    return {"checkpoint": job.checkpoint, "dataset": entry.name, "split": "val",
-            "world_size": ctx.world_size, **metrics}
+                            pin_memory=ctx.device.type == "cuda", train=False, augment=cfg.augment)
+    totals = evaluate(model, loaders.val, ctx.device, precision, cfg.model.channels_last,
+                      topk=tuple(job.topk), tta=job.tta, keep_topk=max(job.topk) if job.predictions else 0)
+    about = {"checkpoint": job.checkpoint, "dataset": entry.name, "split": "val", "weights": job.weights}
+    if ctx.is_main:
+        write_validation_files(job, totals, entry, index, about)
+    per_class = {"per_class": totals.per_class(index.classes, index.descriptions)} if job.per_class else {}
+    return {**about, "world_size": ctx.world_size, **({"tta": "flip"} if job.tta else {}), **totals.metrics,
+            **per_class}
+
+
+def write_validation_files(job: Job, totals: EvalTotals, entry: DatasetEntry, index: IndexTable,
+                           about: dict[str, Any]) -> None:
+    if job.confusion:
+        write_confusion(Path(job.confusion), totals, index.classes, index.descriptions)
+    if job.predictions:
+        write_predictions(Path(job.predictions), totals, entry.storage.path.rstrip("/"),
+                          index.splits["val"].paths, index.classes)
+    if job.evaluation:
+        source = f"validate {Path(job.checkpoint).name} --weights {job.weights}"
+        write_evaluation(Path(job.evaluation), evaluation_record(
+            totals, index.classes, index.descriptions, source=source, **about))
+
+
+def predict_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry, index: IndexTable,
+                job: Job) -> dict[str, Any]:
+    """Top-k answers for every input (its error for a bad one); each node's first rank writes them all
+    to `predictions.jsonl` in the job folder, in input order."""
+    model, precision = inference_setup(cfg, ctx, job)
+    fs, root = entry.open()
+    split = index.splits["val"]
+    loader = eval_loader(cfg.data, fs, root, split, ctx.rank, ctx.world_size, cfg.seed,
+                         pin_memory=ctx.device.type == "cuda", on_bad_image="report",
+                         interpolation=cfg.augment.interpolation)
+    rows = predict(model, loader, ctx.device, precision, cfg.model.channels_last, job.topk[0])
+    if ctx.local_rank == 0:
+        prefix = entry.storage.path.rstrip("/")
+        lines = [json.dumps(answer(f"{prefix}/{split.paths[position]}", int(split.labels[position]), error,
+                                   top, probs, index)) for position, error, top, probs in rows]
+        write_text(folder / "predictions.jsonl", "".join(line + "\n" for line in lines))
+    return {"images": len(rows), "errors": sum(1 for row in rows if row[1])}
+
+
+def answer(path: str, label: int, error: str, top: list[int], probs: list[float],
+           index: IndexTable) -> dict[str, Any]:
+    """One input's line of `predict --json`: its path (and label, when it comes from a data set split),
+    then its top-k classes or its error."""
+    known = {"label": {"index": label, "synset": index.classes[label]}} if label >= 0 else {}
+    if error:
+        return {"path": path, **known, "error": error}
+    return {"path": path, **known, "topk": [
+        {"index": i, "synset": index.classes[i], "description": index.descriptions[i], "probability": p}
+        for i, p in zip(top, probs, strict=True)]}
 
 
 TEARDOWN_S = 30  # destroying the process group may wait on peers; the results are saved by then
@@ -185,8 +246,12 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
         ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
         pulse = Heartbeat.start(ctx)
         startup.mark("process_group")
-        result = (train_job(cfg, ctx, folder, entry, index, job, startup) if job.mode == "train"
-                  else validate_job(cfg, ctx, folder, entry, index, job))
+        if job.mode == "train":
+            result = train_job(cfg, ctx, folder, entry, index, job, startup)
+        elif job.mode == "predict":
+            result = predict_job(cfg, ctx, folder, entry, index, job)
+        else:
+            result = validate_job(cfg, ctx, entry, index, job)
         if ctx.local_rank == 0:  # every node's launcher reports (results are reduced, the same)
             write_result(folder, result)
         return 0

@@ -149,7 +149,8 @@ class RunState:
     epoch: int = 0  # epochs completed
     step: int = 0  # optimisation steps completed, all epochs
     step_in_epoch: int = 0  # of the epoch under way (0 at an epoch boundary)
-    samples_in_epoch: int = 0  # positions of this epoch's permutation consumed, all ranks
+    samples_in_epoch: int = 0  # positions of this epoch's order consumed, all ranks
+    epoch_layout: int = 0  # the sampler chunk (ranks x batch) the epoch's order is laid out for
     global_batch: int = 0  # images per optimisation step when this state was reached
     running: list[list[float]] = field(default_factory=list)  # per rank: the epoch's loss sum, steps
     best_top1: float = -1.0

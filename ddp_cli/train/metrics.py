@@ -1,33 +1,87 @@
-"""Validation totals summed across ranks: no averaging of averages, no padding."""
+"""Validation totals summed across ranks: no averaging of averages, no padding.
+
+Besides the loss and the top-k hits, the confusion matrix (true class x top-1
+class) is kept: per-class accuracy is its diagonal over its row sums, so every
+number `validate --per-class` prints comes from integer counts summed over
+ranks, exact at any world size.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+DEFAULT_TOPK = (1, 5)  # always reported: the contract's top1 and top5
+
 
 class EvalTotals:
-    """Running [loss sum, top-1 hits, top-5 hits, images] on the device."""
+    """Running loss sum, images, hits at each k and the confusion matrix, on the device.
 
-    def __init__(self, device: torch.device) -> None:
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+    `keep_topk` > 0 also keeps, per image, its split position and its `keep_topk`
+    best classes with their probabilities (`predictions`), for a predictions file.
+    """
 
-    def add(self, logits: torch.Tensor, target: torch.Tensor, keep: torch.Tensor) -> None:
+    def __init__(self, device: torch.device, topk: tuple[int, ...] = DEFAULT_TOPK,
+                 keep_topk: int = 0) -> None:
+        self.device, self.ks = device, tuple(sorted(set(DEFAULT_TOPK) | set(topk)))
+        self.sums = torch.zeros(2 + len(self.ks), dtype=torch.float64, device=device)  # loss, n, hits
+        self.confusion: torch.Tensor | None = None  # allocated at the first batch: classes x classes
+        self.keep_topk, self.kept = keep_topk, []
+        self.metrics: dict[str, float] = {}  # set by reduce()
+
+    def add(self, logits: torch.Tensor, target: torch.Tensor, keep: torch.Tensor,
+            positions: list[int] | None = None) -> None:
         logits, target = logits[keep].float(), target[keep]
-        k = min(5, logits.shape[1])
-        top = logits.topk(k, dim=1).indices
-        hits = top.eq(target[:, None])
+        classes = logits.shape[1]
+        top = logits.topk(min(max(self.ks), classes), dim=1).indices
+        hits = top.eq(target[:, None]).cumsum(dim=1).clamp(max=1)  # column j: hit within the first j+1
+        at_k = [hits[:, min(k, classes) - 1].sum() for k in self.ks]
         self.sums += torch.stack([
-            F.cross_entropy(logits, target, reduction="sum").double(),
-            hits[:, 0].sum().double(),
-            hits.any(dim=1).sum().double(),
-            torch.tensor(float(len(target)), dtype=torch.float64, device=logits.device),
-        ])
+            F.cross_entropy(logits, target, reduction="sum"),
+            torch.tensor(float(len(target)), device=logits.device),
+            *at_k,
+        ]).double()
+        if self.confusion is None:
+            self.confusion = torch.zeros(classes, classes, dtype=torch.int64, device=self.device)
+        self.confusion.index_put_((target, top[:, 0]), torch.ones_like(target), accumulate=True)
+        if self.keep_topk:
+            self.keep(logits, target, keep, positions)
+
+    def keep(self, logits: torch.Tensor, target: torch.Tensor, keep: torch.Tensor,
+             positions: list[int] | None) -> None:
+        probs, classes = logits.softmax(dim=1).topk(min(self.keep_topk, logits.shape[1]), dim=1)
+        rows = [p for p, k in zip(positions or [], keep.tolist(), strict=True) if k]
+        self.kept += zip(rows, target.tolist(), classes.tolist(), probs.tolist(), strict=True)
 
     def reduce(self) -> dict[str, float]:
+        """Sum over ranks (every rank calls it); the metrics. A rank that saw no image (a val split
+        smaller than the world) learns the class count from the others."""
+        if self.confusion is None:
+            self.confusion = torch.zeros(0, 0, dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(self.sums)
-        loss, top1, top5, n = self.sums.tolist()
+            size = torch.tensor(self.confusion.shape[0], device=self.device)
+            dist.all_reduce(size, op=dist.ReduceOp.MAX)
+            if self.confusion.shape[0] < size:
+                self.confusion = torch.zeros(int(size), int(size), dtype=torch.int64, device=self.device)
+            dist.all_reduce(self.confusion)
+            if self.keep_topk:
+                everyone: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, self.kept)
+                self.kept = sorted(row for rank in everyone for row in rank)
+        loss, n, *hits = self.sums.tolist()
         n_safe = max(n, 1.0)
-        return {"loss": loss / n_safe, "top1": top1 / n_safe, "top5": top5 / n_safe, "images": int(n)}
+        at_k = {f"top{k}": h / n_safe for k, h in zip(self.ks, hits, strict=True)}
+        self.metrics = {"loss": loss / n_safe, **at_k, "images": int(n)}
+        return self.metrics
+
+    def per_class(self, classes: list[str], descriptions: list[str]) -> list[dict[str, Any]]:
+        """Each class's images and top-1, in class order (from the reduced confusion matrix)."""
+        counts = self.confusion.sum(dim=1).tolist()
+        right = self.confusion.diagonal().tolist()
+        return [{"index": i, "synset": synset, "description": text, "images": n,
+                 "top1": right[i] / n if n else None}
+                for i, (synset, text, n) in enumerate(zip(classes, descriptions, counts, strict=True))]

@@ -32,6 +32,8 @@ def lr_factor(cfg: ScheduleConfig, steps_per_epoch: int, total_steps: int) -> Ca
             return cfg.gamma ** math.floor(epoch / cfg.step_epochs)
         if cfg.name == "multistep":
             return cfg.gamma ** sum(epoch >= m for m in cfg.milestones)
+        if cfg.name == "exponential":
+            return cfg.gamma ** ((step - warmup) / steps_per_epoch)
         if cfg.name == "cosine":
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
         if cfg.name == "poly":
@@ -49,4 +51,15 @@ def lr_factor(cfg: ScheduleConfig, steps_per_epoch: int, total_steps: int) -> Ca
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, steps_per_epoch: int, total_steps: int
 ) -> LambdaLR:
-    return LambdaLR(optimizer, lr_factor(cfg, steps_per_epoch, total_steps))
+    """One factor per parameter group, the schedule's; LambdaLR multiplies it into the group's initial LR,
+    which holds the group's `lr_scale` (`optim.build_optimizer`)."""
+    factor = lr_factor(cfg, steps_per_epoch, total_steps)
+    return LambdaLR(optimizer, [held_at_zero(factor, group.get("frozen_epochs", 0) * steps_per_epoch)
+                                for group in optimizer.param_groups])
+
+
+def held_at_zero(factor: Callable[[int], float], steps: int) -> Callable[[int], float]:
+    """`factor`, but 0 for the first `steps` steps: a group frozen for the first epochs
+    (`model.freeze_epochs`) moves neither by its gradient nor by weight decay or momentum, as every
+    update of every optimiser here is scaled by the LR."""
+    return factor if not steps else lambda step: 0.0 if step < steps else factor(step)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -23,17 +24,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig, TrainConfig
-from ddp_cli.data.loaders import Loaders, requested, skipped_files
+from ddp_cli.data.loaders import Loaders, skipped_files
 from ddp_cli.data.transforms import to_model_input
 from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext
-from ddp_cli.errors import ConfigError, DataError, DivergedError
+from ddp_cli.errors import ConfigError, DivergedError
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import Sink
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
 from ddp_cli.train.ema import EmaModel
+from ddp_cli.train.inference import evaluate, raise_bad_images
 from ddp_cli.train.metrics import EvalTotals
+from ddp_cli.train.mixing import BatchMixing
 from ddp_cli.train.optim import build_optimizer
 from ddp_cli.train.precision import autocast, resolve_precision
 from ddp_cli.train.schedules import build_scheduler
@@ -59,41 +62,11 @@ def place(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module
     return nn.SyncBatchNorm.convert_sync_batchnorm(model) if cfg.sync_batchnorm else model
 
 
-def raise_bad_images(errors: list[str]) -> None:
-    """The dataset hands over bad files (under on_bad_image = "error") and storage failures as messages."""
-    for message in errors:
-        if message:
-            raise DataError(message)
-
-
 def union_across_ranks(paths: set[str]) -> set[str]:
     """Every rank's set of (bad file) paths, merged."""
     everyone: list[set[str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, paths)
     return set().union(*everyone)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool,
-    bad: set[str] | None = None,
-) -> dict[str, float]:
-    """Top-1/top-5/loss over this rank's exact shard, summed across ranks.
-
-    Under "skip", a bad image's stand-in is not counted (so `images` is the
-    split's good images) and the bad file goes into `bad`.
-    """
-    model.eval()
-    totals = EvalTotals(device)
-    for images, labels, skipped, errors in loader:
-        raise_bad_images(errors)
-        x = to_model_input(images, device, channels_last)
-        with autocast(device, precision):
-            logits = model(x)
-        totals.add(logits, labels.to(device, non_blocking=True), requested(skipped).to(device))
-        if bad is not None:
-            bad.update(skipped_files(skipped))
-    return totals.reduce()
 
 
 class Trainer:
@@ -112,14 +85,16 @@ class Trainer:
         self.model = replicate(model, cfg.distributed, ctx.device, steps_per_epoch * cfg.train.epochs)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.lr = cfg.optim.effective_lr(self.global_batch)
-        self.optimizer = build_optimizer(cfg.optim, self.model.module, self.lr)
+        self.optimizer = build_optimizer(cfg.optim, self.model.module, self.lr, cfg.model)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps_per_epoch,
                                          steps_per_epoch * cfg.train.epochs)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.precision == "fp16")
-        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)  # labels or mixes
+        self.mixing = BatchMixing(cfg.augment, cfg.seed) if cfg.augment.mixing() else None
         self.state = RunState(global_batch=self.global_batch, world_sizes=[ctx.world_size])
         self.running = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # the epoch's loss sum, steps
         self.checkpointer = checkpointer or Checkpointer(None)
+        self.on_validation: Callable[[EvalTotals, int], None] | None = None  # (totals, epoch): rank 0's files
         self.checkpointer.track(self.state, before_save=self.settle)
         self.checkpointer.register(
             model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
@@ -133,8 +108,9 @@ class Trainer:
             seconds = time.perf_counter() - started
             train_seconds += seconds
             images_seen += self.steps_per_epoch * self.global_batch
-            val = self.validate(bad)
-            ema_val = self.validate(module=self.ema.module) if self.ema else None
+            evaluation = self.validate(bad)
+            val = evaluation.metrics
+            ema_val = self.validate(module=self.ema.module).metrics if self.ema else None
             bad = union_across_ranks(bad)  # distinct bad files met this epoch (train and val)
             self.state.skipped_files = sorted(bad.union(self.state.skipped_files))
             self.state.epoch, self.state.final, self.state.final_ema = epoch + 1, val, ema_val
@@ -152,7 +128,10 @@ class Trainer:
             if ema_val:
                 self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val})
             self.console.epoch_done(row)
-            self.checkpointer.after_step(top1=val["top1"])
+            if self.on_validation:
+                self.on_validation(evaluation, epoch + 1)
+            best_of = ema_val if cfg.checkpoint.best_metric == "ema_top1" else val
+            self.checkpointer.after_step(top1=best_of["top1"])
         self.console.summary(self.state.history)
         return self.summary(images_seen / max(train_seconds, 1e-9))
 
@@ -162,7 +141,10 @@ class Trainer:
         Returns (mean train loss of all ranks, this rank's bad files).
         """
         start = self.state.step_in_epoch
-        self.loaders.train_sampler.set_epoch(epoch, skip=self.state.samples_in_epoch)
+        sampler = self.loaders.train_sampler
+        if not self.state.samples_in_epoch:  # a fresh epoch, laid out for this world size
+            self.state.epoch_layout = sampler.chunk
+        sampler.set_epoch(epoch, skip=self.state.samples_in_epoch, layout=self.state.epoch_layout)
         self.model.train()
         batches = iter(self.loaders.train)
         self.running.copy_(torch.tensor(self.own_running(), dtype=torch.float64))
@@ -211,13 +193,18 @@ class Trainer:
         return nullcontext() if sync else self.model.no_sync()
 
     def forward_loss(self, batch: tuple, parts: int = 1) -> torch.Tensor:
-        """The loss of one (micro-)batch, divided by the micro-batches that make the step."""
+        """The loss of one (micro-)batch, divided by the micro-batches that make the step; with MixUp or
+        CutMix on, of the step's mix of it, against the mixed labels."""
         images, labels, _skipped, errors = batch
         raise_bad_images(errors)
         x = to_model_input(images, self.ctx.device, self.cfg.model.channels_last)
         y = labels.to(self.ctx.device, non_blocking=True)
+        mix = self.mixing.draw(self.state.step, x) if self.mixing else None
+        if mix:
+            x = mix.images(x)
         with autocast(self.ctx.device, self.precision):
-            return self.loss_fn(self.forward(x), y) / parts
+            logits = self.forward(x)
+            return self.loss_fn(logits, mix.targets(y, logits.shape[1]) if mix else y) / parts
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
@@ -265,7 +252,7 @@ class Trainer:
             return saved[self.ctx.rank]
         return [sum(r[0] for r in saved), sum(r[1] for r in saved)] if self.ctx.is_main else [0.0, 0.0]
 
-    def validate(self, bad: set[str] | None = None, module: nn.Module | None = None) -> dict[str, float]:
+    def validate(self, bad: set[str] | None = None, module: nn.Module | None = None) -> EvalTotals:
         """Evaluate rank 0's replica (or its EMA): its BatchNorm statistics are the ones checkpointed."""
         module = self.model.module if module is None else module
         for buffer in module.buffers():

@@ -17,7 +17,7 @@ from ddp_cli.data.layouts import build_index
 from ddp_cli.data.loaders import ImageDataset
 from ddp_cli.data.transforms import ValTransform
 from ddp_cli.models import build_model
-from ddp_cli.train.trainer import evaluate
+from ddp_cli.train.inference import evaluate
 
 TRAIN = "ILSVRC/Data/CLS-LOC/train"
 VAL = "ILSVRC/Data/CLS-LOC/val"
@@ -110,6 +110,7 @@ def test_validation_under_skip_excludes_bad_images_and_names_them(tmp_path):
     bad: set[str] = set()
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="resnet_tiny"), 3, 32)
-    metrics = evaluate(model, DataLoader(dataset, batch_size=3), torch.device("cpu"), "fp32", False, bad)
+    metrics = evaluate(model, DataLoader(dataset, batch_size=3), torch.device("cpu"), "fp32", False,
+                       bad).metrics
     assert metrics["images"] == 6  # 7 rows, the bad one's stand-in not counted
     assert bad == {f"{tmp_path}/{BAD_VAL}"}

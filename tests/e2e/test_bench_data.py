@@ -16,18 +16,23 @@ def test_bench_data_json_and_table(tmp_path):
                                           "storage": {"driver": "FileSystem", "path": "d"}}])
     args = ["bench", "data", "d", "--registry", str(registry), "--workers", "0", "--seconds", "1",
             "--batch-size", "4", "--image-size", "32"]
-    result = CliRunner().invoke(app, [*args, "--json"])
+    result = CliRunner().invoke(app, [*args, "--policy", "none,trivialaugment", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["bench"] == "data" and out["files"] == 16 and out["workers"] == 0
-    rows = {row["pipeline"]: row for row in out["rows"]}
-    assert set(rows) == {"ddp", "baseline"}
-    for row in rows.values():
+    rows = {(row["policy"], row["pipeline"]): row for row in out["rows"]}
+    assert set(rows) == {(p, kind) for p in ("none", "trivialaugment") for kind in ("ddp", "baseline")}
+    rate = {key: row["images_per_second"] for key, row in rows.items()}
+    for (policy, pipeline), row in rows.items():
         assert row["images"] > 0 and row["images"] % 4 == 0 and row["seconds"] > 0
-        assert abs(row["images_per_second"] - row["images"] / row["seconds"]) < 1e-6
-    assert abs(out["ratio"] - rows["ddp"]["images_per_second"] / rows["baseline"]["images_per_second"]) < 1e-9
+        assert abs(rate[policy, pipeline] - row["images"] / row["seconds"]) < 1e-6
+        assert abs(row["vs_none"] - rate[policy, pipeline] / rate["none", pipeline]) < 1e-9
+        assert abs(out["ratios"][policy] - rate[policy, "ddp"] / rate[policy, "baseline"]) < 1e-9
+    assert out["ratio"] == out["ratios"]["none"]
     human = CliRunner().invoke(app, args, env={"COLUMNS": "150"})
     assert human.exit_code == 0 and "baseline" in human.stdout and "ratio" in human.stdout
+    unknown = CliRunner().invoke(app, [*args, "--policy", "none,autoaugmnet"])
+    assert unknown.exit_code == 2 and "--policy autoaugmnet" in unknown.stderr
 
 
 def test_bench_data_needs_a_batch_of_files(tmp_path):

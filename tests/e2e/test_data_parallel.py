@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from replicas import train_replica
+from replicas import make_config, train_replica
 
 from ddp_cli.run.loopback import run_workers
+from ddp_cli.train.mixing import BatchMixing
 
 STEPS = 4
 
@@ -68,3 +69,20 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     optim = {"name": "sgd", "momentum": 0.9}
     accumulated = replicas(tmp_path, 2, 2, 3, optim)
     assert_equivalent(accumulated, single_process(tmp_path / "single", 12, 1, optim))
+
+
+MIXING = {"augment": {"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "mix_prob": 1.0, "switch_prob": 0.5},
+          "optim": {"name": "sgd", "momentum": 0.9}}
+
+
+def test_two_replicas_mix_as_one_process_on_the_combined_batch(tmp_path):
+    """MixUp and CutMix pair adjacent images with one (seed, step) draw: dealt in blocks, every pair lies
+    on one rank, and one process with the combined batch makes the same pairs with the same lambdas.
+    GroupNorm in place of BatchNorm: nothing else may couple the images of a batch."""
+    mixing = BatchMixing(make_config(MIXING).augment, seed=0)
+    kinds = {mixing.draw(step, torch.zeros(1, 3, 16, 16)).box is None for step in range(STEPS)}
+    assert kinds == {True, False}, "the steps must include MixUp and CutMix"
+    ranks = run_workers(train_replica, 2, {**MIXING, "data": {"batch_size": 4}}, STEPS, str(tmp_path), False)
+    single = run_workers(train_replica, 1, {**MIXING, "data": {"batch_size": 8}}, STEPS,
+                         str(tmp_path / "single"), False)[0]
+    assert_equivalent(ranks, single)

@@ -37,6 +37,12 @@ def uninterrupted(demo_registry, tmp_path_factory):
     return last_json(train(demo_registry, run_dir, "--set", "train.epochs=2")), run_dir
 
 
+def assert_bit_identical(resumed: dict, reference: dict, run_dir: Path, reference_dir: Path) -> None:
+    assert resumed["final"] == reference["final"]
+    a, b = weights(run_dir), weights(reference_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
+
+
 def test_sigterm_checkpoints_then_resume_ends_bit_identical(demo_registry, tmp_path, uninterrupted):
     reference, reference_dir = uninterrupted
     run_dir = tmp_path / "run"
@@ -51,9 +57,29 @@ def test_sigterm_checkpoints_then_resume_ends_bit_identical(demo_registry, tmp_p
     step = torch.load(stopped, weights_only=True)["step_in_epoch"]
     assert 6 <= step < 22  # mid-epoch
     resumed = last_json(train(demo_registry, run_dir, "--set", "train.epochs=2"))
-    assert resumed["final"] == reference["final"]
-    a, b = weights(run_dir), weights(reference_dir)
-    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
+    assert_bit_identical(resumed, reference, run_dir, reference_dir)
+
+
+# Every augmentation at once: repeated augmentation, the per-image policy, jitter and erasing, and MixUp/
+# CutMix (mix_prob 1 by default; the switch picks either). One short epoch: the mechanisms, cheaply.
+AUGMENTED = ["--set", "augment.repeated_aug=2", "--set", "augment.policy=trivialaugment",
+             "--set", "augment.color_jitter=0.3", "--set", "augment.random_erase=0.5",
+             "--set", "augment.random_erase_value=random", "--set", "augment.mixup_alpha=0.2",
+             "--set", "augment.cutmix_alpha=1.0", "--set", "train.epochs=1",
+             "--set", "train.max_steps_per_epoch=8"]
+
+
+def test_resume_with_every_augmentation_on_ends_bit_identical(demo_registry, tmp_path):
+    """What augmentation adds to resuming (the sampler's repeated layout, per-copy seeds, per-step mixing),
+    from a mid-epoch checkpoint of the reference run itself: two runs, not three. A stop by SIGTERM
+    checkpoints the same way at a step's end (the test above)."""
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    every_3 = ["--set", "checkpoint.every_steps=3"]
+    reference = last_json(train(demo_registry, reference_dir, *AUGMENTED, *every_3))
+    middle = reference_dir / "checkpoints" / "step-000000003.pt"
+    assert torch.load(middle, weights_only=True)["step_in_epoch"] == 3  # mid-epoch
+    resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, "--resume", str(middle)))
+    assert_bit_identical(resumed, reference, run_dir, reference_dir)
 
 
 def test_a_killed_worker_is_restarted_and_the_run_finishes(demo_registry, tmp_path, uninterrupted):

@@ -230,3 +230,42 @@ def test_train_one_epoch_from_s3(s3_registry, tmp_path, workers):
             data = path.read_bytes()
             assert SECRET.encode() not in data and KEY.encode() not in data, path
     assert SECRET not in result.stdout + result.stderr
+
+
+def test_predict_reads_s3_objects_and_prefixes(s3_registry, s3_endpoint, trained_demo, tmp_path):
+    """Objects and a prefix of one bucket (endpoint from AWS_ENDPOINT_URL), answered as the same files
+    are on local disk; a key that does not exist is exit 3 naming it."""
+    ckpt = str(trained_demo / "checkpoints" / "last.pt")
+    env = {**ENV, "AWS_ENDPOINT_URL": s3_endpoint}
+    val = f"s3://{BUCKET}/imagenet/ILSVRC/Data/CLS-LOC/val"
+    remote = run_ddp("predict", "--checkpoint", ckpt, f"{val}/ILSVRC2012_val_00000006.JPEG", f"{val}/",
+                     "--topk", "2", "--json", env=env)
+    assert remote.returncode == 0, remote.stderr[-2000:]
+    answers = [json.loads(line) for line in remote.stdout.strip().splitlines()]
+    order = (6, 1, 2, 3, 4, 5, 6, 7)
+    assert [a["path"] for a in answers] == [f"{val}/ILSVRC2012_val_0000000{i}.JPEG" for i in order]
+    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint},
+                           skip_instance_cache=True)
+    fs.get(f"{val.removeprefix('s3://')}/", f"{tmp_path}/", recursive=True)
+    local = run_ddp("predict", "--checkpoint", ckpt, str(tmp_path), "--topk", "2", "--json")
+    assert local.returncode == 0, local.stderr[-2000:]
+    by_name = {a["path"].rsplit("/", 1)[1]: a["topk"]
+               for a in map(json.loads, local.stdout.strip().splitlines())}
+    assert len(by_name) == 7
+    for a in answers:
+        assert a["topk"] == by_name[a["path"].rsplit("/", 1)[1]]
+
+
+def test_predict_names_a_missing_s3_input(s3_registry, s3_endpoint, trained_demo, aws):
+    """Checked in the launcher, before any worker starts (`predict_inputs`): exit 3 naming it."""
+    from ddp_cli.commands import predict_inputs
+    from ddp_cli.train.trained import load_trained
+
+    aws.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    trained = load_trained(trained_demo / "checkpoints" / "last.pt")
+    val = f"s3://{BUCKET}/imagenet/ILSVRC/Data/CLS-LOC/val"
+    with pytest.raises(DataError, match=f"^{val}/nope.JPEG: no such file or folder$"):
+        predict_inputs(trained.cfg, trained, [f"{val}/ILSVRC2012_val_00000001.JPEG", f"{val}/nope.JPEG"],
+                       None, "val", None)
+    with pytest.raises(DataError, match="no such bucket; check the INPUT URLs"):
+        predict_inputs(trained.cfg, trained, ["s3://ddp-no-such-bucket/x.jpg"], None, "val", None)

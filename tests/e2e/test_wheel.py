@@ -23,7 +23,8 @@ from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-HIDDEN_EXTRAS = ("s3fs", "tensorboard", "wandb", "matplotlib", "sklearn")  # the core install only
+HIDDEN_EXTRAS = ("s3fs", "tensorboard", "wandb", "matplotlib", "sklearn", "safetensors", "onnxscript", "onnx",
+                 "onnxruntime")  # the core install only
 SHORT = ["--set", "train.epochs=1", "--set", "train.max_steps_per_epoch=3", "--set", "data.workers=0"]
 
 

@@ -115,3 +115,50 @@ def test_dropped_images_do_not_count():
     keep = np.array([True, True, False, False])
     got = totals([(logits, target, keep)])
     assert got["images"] == 2 and got["top1"] == 1.0
+
+
+def test_any_topk_list_and_the_confusion_matrix_match_numpy():
+    """--topk 1,3,10 (and the always-reported 5), the confusion matrix of top-1 predictions and the
+    per-class accuracy read off it, against numpy on the same logits."""
+    rng = np.random.default_rng(3)
+    classes = 12
+    batches = random_batches(rng, classes, [40, 7, 33])
+    logits, target = kept(batches)
+    t = EvalTotals(CPU, topk=(10, 3, 1))
+    for lg, tg, keep in batches:
+        t.add(torch.from_numpy(lg), torch.from_numpy(tg), torch.from_numpy(keep))
+    got = t.reduce()
+    above = reference(logits, target)["above"]
+    assert sorted(k for k in got if k.startswith("top")) == ["top1", "top10", "top3", "top5"]
+    for k in (1, 3, 5, 10):
+        assert got[f"top{k}"] == pytest.approx((above < k).mean(), abs=1e-12), k
+    expected = np.zeros((classes, classes), dtype=np.int64)
+    np.add.at(expected, (target, logits.argmax(axis=1)), 1)
+    assert np.array_equal(t.confusion.numpy(), expected)
+    assert np.trace(expected) / expected.sum() == pytest.approx(got["top1"])
+    names = [f"c{i}" for i in range(classes)]
+    rows = t.per_class(names, [n.upper() for n in names])
+    assert [r["images"] for r in rows] == np.bincount(target, minlength=classes).tolist()
+    assert sum(r["images"] for r in rows) == got["images"] == len(target)
+    for r in rows:
+        mine = target == r["index"]
+        assert r["top1"] == (pytest.approx((logits[mine].argmax(axis=1) == r["index"]).mean())
+                             if mine.any() else None)
+    assert rows[4] == {"index": 4, "synset": "c4", "description": "C4", "images": rows[4]["images"],
+                       "top1": rows[4]["top1"]}
+
+
+def test_a_k_beyond_the_class_count_is_every_image():
+    t = EvalTotals(CPU, topk=(1, 10))
+    t.add(torch.randn(9, 4), torch.randint(0, 4, (9,)), torch.ones(9, dtype=torch.bool))
+    assert t.reduce()["top10"] == 1.0
+
+
+def test_kept_predictions_are_the_top_k_probabilities_of_counted_images_by_position():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [1.0, 0.0, 5.0]])
+    t = EvalTotals(CPU, keep_topk=2)
+    t.add(logits, torch.tensor([1, 0, 1]), torch.tensor([True, False, True]), positions=[10, 11, 12])
+    t.reduce()
+    assert [row[:3] for row in t.kept] == [(10, 1, [1, 2]), (12, 1, [2, 0])]  # position 11 was a stand-in
+    probs = logits[0].softmax(0)
+    assert t.kept[0][3] == pytest.approx([probs[1].item(), probs[2].item()])

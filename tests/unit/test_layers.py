@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.registry",),
     ("ddp_cli.indexing",),
     ("ddp_cli.train",),
-    ("ddp_cli.envinfo",),
+    ("ddp_cli.envinfo", "ddp_cli.export"),
     ("ddp_cli.run",),
     ("ddp_cli.bench",),
     ("ddp_cli.preflight", "ddp_cli.plan", "ddp_cli.commands"),

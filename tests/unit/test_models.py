@@ -11,6 +11,7 @@ from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.models import (
     build_model,
     check_model,
+    classifier_head,
     known_models,
     load_weights,
     read_weights,
@@ -38,6 +39,8 @@ def test_every_torchvision_classifier_builds_with_the_data_sets_class_count():
         with torch.no_grad():
             out = model(torch.empty(1, 3, size, size, device="meta"))
         assert tuple(out.shape) == (1, 17), name  # what check_model proves, one forward per model
+        head = model.get_submodule(classifier_head(model))  # what optim.head_lr_mult scales
+        assert getattr(head, "out_features", getattr(head, "out_channels", None)) == 17, name
 
 
 @pytest.mark.parametrize(("name", "size"), [("inception_v3", 75), ("googlenet", 64), ("vit_b_16", 64),

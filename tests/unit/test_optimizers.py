@@ -108,17 +108,17 @@ def test_state_survives_a_weights_only_round_trip(cls):
 
 def test_norm_and_bias_parameters_get_no_decay_and_no_trust_ratio():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
-    matrices, vectors = param_groups(model, weight_decay=1e-4, decay_all=False)
+    matrices, vectors = param_groups(model, OptimConfig(weight_decay=1e-4))
     assert {p.ndim for p in matrices["params"]} == {2, 4} and len(matrices["params"]) == 2
     assert len(vectors["params"]) == 4  # conv bias, BN weight and bias, linear bias
     assert (matrices["weight_decay"], matrices["trust_ratio"]) == (1e-4, True)
     assert (vectors["weight_decay"], vectors["trust_ratio"]) == (0.0, False)
-    _, decayed = param_groups(model, weight_decay=1e-4, decay_all=True)
+    _, decayed = param_groups(model, OptimConfig(weight_decay=1e-4, decay_norm_and_bias=True))
     assert (decayed["weight_decay"], decayed["trust_ratio"]) == (1e-4, False)
 
 
 @pytest.mark.parametrize(("name", "cls"), [("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW),
-                                           ("lars", Lars), ("lamb", Lamb)])
+                                           ("lars", Lars), ("lamb", Lamb), ("rmsprop", torch.optim.RMSprop)])
 def test_build_optimizer_by_name(name, cls):
     model = nn.Linear(3, 2)
     opt = build_optimizer(OptimConfig(name=name, weight_decay=0.01, betas=[0.8, 0.9]), model, lr=0.3)

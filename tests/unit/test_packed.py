@@ -11,8 +11,9 @@ import pytest
 from torch.utils.data import Dataset
 
 from ddp_cli.data.layouts import IndexTable
-from ddp_cli.data.loaders import ImageDataset, ShardSampler, make_loader
+from ddp_cli.data.loaders import ImageDataset, make_loader
 from ddp_cli.data.packed import PackedStrings, Split
+from ddp_cli.data.sampler import ShardSampler
 from ddp_cli.data.transforms import ValTransform
 
 NAMES = ["train/n01/a.JPEG", "", "val/ünïcødé/ß.jpg", "日本/画像.png", "odd\udcff", "x" * 300]

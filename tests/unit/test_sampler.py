@@ -2,31 +2,59 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+import torch
+from torch.utils.data import Dataset
 
-from ddp_cli.data.loaders import ShardSampler
+from ddp_cli.data.loaders import EpochItems
+from ddp_cli.data.sampler import ShardSampler
 
 
-def shards(n: int, world: int, shuffle: bool, epoch: int = 0, seed: int = 0) -> list[list[int]]:
+def samplers(n: int, world: int, shuffle: bool = True, batch: int = 1, repeats: int = 1,
+             seed: int = 0) -> list[ShardSampler]:
+    return [ShardSampler(n, rank, world, shuffle=shuffle, seed=seed, batch_size=batch, repeats=repeats,
+                         with_epoch=repeats > 1) for rank in range(world)]
+
+
+def shards(n: int, world: int, shuffle: bool, epoch: int = 0, seed: int = 0, batch: int = 1,
+           repeats: int = 1, skip: int = 0, layout: int = 0) -> list[list]:
+    """Every rank's items for the epoch: indices, or (index, copy) pairs with repeats."""
     out = []
-    for rank in range(world):
-        sampler = ShardSampler(n, rank, world, shuffle=shuffle, seed=seed)
-        sampler.set_epoch(epoch)
-        out.append(list(sampler))
-        assert len(out[-1]) == len(sampler)
+    for sampler in samplers(n, world, shuffle, batch, repeats, seed):
+        sampler.set_epoch(epoch, skip, layout)
+        items = list(sampler)
+        out.append([(index, copy) for index, _, copy in items] if repeats > 1 else items)
+        if not skip:
+            assert len(out[-1]) == len(sampler)
     return out
 
 
+def epoch_order(n: int, epoch: int, chunk: int, repeats: int) -> list[tuple[int, int]]:
+    """The whole epoch's (index, copy) order, laid out for global batches of `chunk`."""
+    (sampler,) = samplers(n, 1, batch=chunk, repeats=repeats)
+    sampler.set_epoch(epoch)
+    return [(index, copy) for index, copy in sampler.order().tolist()]
+
+
+def steps_of(parts: list[list], batch: int) -> list[list]:
+    """Each step's global batch: the ranks' batches of that step, in rank order."""
+    return [[item for part in parts for item in part[s * batch:(s + 1) * batch]]
+            for s in range(len(parts[0]) // batch)]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("n", [103, 120])
-def test_train_shards_are_disjoint_equal_and_without_replacement(n, world):
-    parts = shards(n, world, shuffle=True, epoch=2, seed=5)
-    lengths = {len(p) for p in parts}
-    assert lengths == {n // world}
+def test_train_shards_are_disjoint_equal_and_without_replacement(n, world, batch):
+    parts = shards(n, world, shuffle=True, epoch=2, seed=5, batch=batch)
+    whole_steps = n // (world * batch)  # the partial last global batch is dropped
+    assert {len(p) for p in parts} == {whole_steps * batch}
     flat = [i for p in parts for i in p]
     assert len(set(flat)) == len(flat)  # no index twice, within or across ranks
     assert set(flat) <= set(range(n))
-    assert len(flat) == n - n % world
+    assert len(flat) == whole_steps * world * batch
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -45,16 +73,16 @@ def test_train_order_is_shuffled():
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("batch", [1, 5])
-def test_step_batches_union_is_the_single_process_batch(world, batch):
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_each_step_is_the_single_process_batch_in_blocks(world, batch):
+    """Rank r's batch of step s is the block [r*b, (r+1)*b) of the single process's batch of step s, so
+    the ranks' batches in rank order ARE that batch, position for position (adjacent pairs included)."""
     n, epoch, seed = 131, 3, 11
-    (single,) = shards(n, 1, shuffle=True, epoch=epoch, seed=seed)  # one process, batch k*b
-    parts = shards(n, world, shuffle=True, epoch=epoch, seed=seed)
-    steps = n // world // batch  # drop_last
-    assert steps > 0
-    for s in range(steps):
-        union = [i for p in parts for i in p[s * batch:(s + 1) * batch]]
-        assert sorted(union) == sorted(single[s * world * batch:(s + 1) * world * batch]), s
+    (single,) = shards(n, 1, shuffle=True, epoch=epoch, seed=seed, batch=world * batch)
+    parts = shards(n, world, shuffle=True, epoch=epoch, seed=seed, batch=batch)
+    steps = steps_of(parts, batch)
+    assert len(steps) == n // (world * batch) > 0
+    assert steps == steps_of([single], world * batch)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -74,14 +102,85 @@ def test_val_shards_ignore_epoch():
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 3), (4, 2), (2, 2)])
 def test_a_mid_epoch_skip_continues_the_permutation_at_another_world_size(before, after):
     """`skip` counts positions consumed by all ranks, so new ranks get exactly the unseen rest."""
-    n, consumed = 101, 36
-    seen = {i for part in shards(n, before, True, epoch=3, seed=7) for i in part[: consumed // before]}
+    n, batch, consumed = 101, 3, 36  # 36: whole global batches at 1, 2 and 4 ranks of 3 images
+    parts = shards(n, before, True, epoch=3, seed=7, batch=batch)
+    seen = {i for part in parts for i in part[: consumed // before]}
     assert len(seen) == consumed
-    rest = []
-    for rank in range(after):
-        sampler = ShardSampler(n, rank, after, shuffle=True, seed=7)
-        sampler.set_epoch(3, skip=consumed)
-        rest.append(list(sampler))
-    flat = [i for part in rest for i in part]
+    flat = [i for part in shards(n, after, True, epoch=3, seed=7, batch=batch, skip=consumed) for i in part]
     assert not seen & set(flat)  # nothing seen before comes again
-    assert len(flat) == len(set(flat)) == n - n % after - consumed  # and nothing unseen is lost
+    assert len(flat) == len(set(flat)) == (n - consumed) // (after * batch) * after * batch  # nothing lost
+
+
+# Repeated augmentation: (n, world, batch, repeats); chunk 12 = 4 copies x 3, chunk 15 = 2 x 7 + 1.
+REPEATED = [(103, 4, 3, 3), (103, 4, 3, 4), (100, 3, 5, 2), (97, 2, 8, 2)]
+
+
+@pytest.mark.parametrize(("n", "world", "batch", "repeats"), REPEATED)
+def test_repeated_augmentation_shows_each_image_m_times_on_m_ranks(n, world, batch, repeats):
+    parts = shards(n, world, True, epoch=1, seed=3, batch=batch, repeats=repeats)
+    chunk = world * batch
+    assert sum(map(len, parts)) == n // chunk * chunk  # the epoch keeps its n positions
+    ranks: dict[int, list[int]] = {}
+    copies: dict[int, list[int]] = {}
+    for rank, part in enumerate(parts):
+        for index, copy in part:
+            ranks.setdefault(index, []).append(rank)
+            copies.setdefault(index, []).append(copy)
+    for index, where in ranks.items():
+        assert len(set(where)) == len(where), f"image {index}'s copies share a rank"
+        assert sorted(copies[index]) == list(range(len(where)))  # each copy once, differently seeded
+    times = Counter(len(where) for where in ranks.values())
+    group = chunk // repeats
+    assert set(times) <= set(range(1, repeats + 1))
+    assert sum(v for k, v in times.items() if k < repeats) <= group  # only the last group is cut short
+
+
+def test_repeated_augmentation_draws_about_n_over_m_images_per_epoch():
+    (single,) = shards(1200, 1, True, batch=48, repeats=3)
+    images = {index for index, _ in single}
+    assert len(images) == 400 and Counter(Counter(i for i, _ in single).values()) == {3: 400}
+    assert images != {index for index, _ in shards(1200, 1, True, epoch=1, batch=48, repeats=3)[0]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_repeated_augmentation_ranks_are_the_single_process(world):
+    """The layout depends on the global batch alone: one process with batch k*b gets the same steps."""
+    n, batch, repeats = 150, 4, 2
+    (single,) = shards(n, 1, True, epoch=2, batch=world * batch, repeats=repeats)
+    parts = shards(n, world, True, epoch=2, batch=batch, repeats=repeats)
+    assert steps_of(parts, batch) == steps_of([single], world * batch)
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 4), (4, 2), (2, 3)])
+def test_repeated_augmentation_resumes_mid_epoch_exactly(before, after):
+    """At the same world size the rest is the uninterrupted run's; at another, laid out as the epoch
+    began (`layout`), the rest is every (image, copy) not yet seen, none twice."""
+    n, batch, repeats, consumed = 100, 3, 2, 24  # 24: whole global batches at 2 and 4 ranks of 3
+    full = shards(n, before, True, epoch=5, batch=batch, repeats=repeats)
+    done = consumed // before
+    seen = Counter(item for part in full for item in part[:done])
+    layout = before * batch
+    rest = shards(n, after, True, epoch=5, batch=batch, repeats=repeats, skip=consumed, layout=layout)
+    if after == before:
+        assert rest == [part[done:] for part in full]
+    left = Counter(item for part in rest for item in part)
+    assert not seen & left and max((seen + left).values()) == 1  # no (image, copy) twice
+    assert seen + left == Counter(epoch_order(n, 5, layout, repeats)[: consumed + left.total()])  # none lost
+
+
+class RandomPixels(Dataset):
+    """What a sample's augmentation draws, as its item."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(4)
+
+
+def test_copies_of_an_image_are_augmented_differently_and_reproducibly():
+    items = EpochItems(RandomPixels(), seed=1)  # type: ignore[arg-type]
+    first, again, second = items[(3, 2, 0)], items[(3, 2, 0)], items[(3, 2, 1)]
+    assert torch.equal(first, again)
+    assert not torch.equal(first, second)
+    assert not torch.equal(second, items[(3, 2, 2)])

@@ -47,6 +47,14 @@ def test_multistep():
     assert f(70) == pytest.approx(0.001)
 
 
+def test_exponential_decays_by_gamma_per_epoch_smoothly_after_warmup():
+    f = factor(name="exponential", gamma=0.5, warmup_steps=5)
+    assert [f(s) for s in (0, 4)] == pytest.approx([0.2, 1.0])
+    assert [f(s) for s in (5, 10, 15, 25)] == pytest.approx([1.0, 0.5 ** 0.5, 0.5, 0.25])
+    torchvision_style = factor(name="exponential", gamma=0.97 ** (1 / 2.4))  # EfficientNet's decay
+    assert torchvision_style(24) == pytest.approx(0.97)
+
+
 def test_cosine_with_floor():
     f = factor(name="cosine", min_lr_ratio=0.2)
     assert f(0) == pytest.approx(1.0)
@@ -134,6 +142,7 @@ def test_warmup_then_poly_and_multistep():
 
 
 SHAPES = [{"name": "constant"}, {"name": "step", "step_epochs": 3}, {"name": "multistep"},
+          {"name": "exponential", "gamma": 0.8},
           {"name": "cosine", "min_lr_ratio": 0.1}, {"name": "poly"}, {"name": "onecycle"}]
 
 

@@ -1,0 +1,86 @@
+"""The model over a loader, in split order: validation totals (`evaluate`) and top-k answers (`predict`).
+
+Both walk `logits_by_batch`: each batch's logits (averaged with the
+horizontally flipped image's under `tta`), with the split positions its items
+came from. Loaders that shard without shuffling (`ShardSampler` for val,
+PyTorch's sequential one) hand out their items in sampler order, so the
+positions are read off the sampler: nothing extra travels through the loader
+processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_cli.data.loaders import requested, skipped_files
+from ddp_cli.data.transforms import to_model_input
+from ddp_cli.errors import DataError
+from ddp_cli.train.metrics import DEFAULT_TOPK, EvalTotals
+from ddp_cli.train.precision import autocast
+
+
+def raise_bad_images(errors: list[str]) -> None:
+    """The dataset hands over bad files (under on_bad_image = "error") and storage failures as messages."""
+    for message in errors:
+        if message:
+            raise DataError(message)
+
+
+def logits_by_batch(model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool,
+                    tta: bool = False) -> Iterator[tuple[list[int], torch.Tensor, Any, list[str], list[str]]]:
+    """Per batch: the items' split positions, float logits, labels, skipped and error fields."""
+    model.eval()
+    positions = iter(loader.sampler)
+    for images, labels, skipped, errors in loader:
+        x = to_model_input(images, device, channels_last)
+        with autocast(device, precision):
+            logits = model(x).float()
+            if tta:
+                logits = (logits + model(x.flip(3)).float()) / 2
+        yield list(islice(positions, len(labels))), logits, labels, skipped, errors
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool,
+    bad: set[str] | None = None, topk: tuple[int, ...] = DEFAULT_TOPK, tta: bool = False,
+    keep_topk: int = 0,
+) -> EvalTotals:
+    """Loss, top-k and the confusion matrix over this rank's exact shard, summed across ranks.
+
+    Under "skip", a bad image's stand-in is not counted (so `images` is the
+    split's good images) and the bad file goes into `bad`.
+    """
+    totals = EvalTotals(device, topk, keep_topk)
+    for positions, logits, labels, skipped, errors in logits_by_batch(model, loader, device, precision,
+                                                                      channels_last, tta):
+        raise_bad_images(errors)
+        totals.add(logits, labels.to(device, non_blocking=True), requested(skipped).to(device), positions)
+        if bad is not None:
+            bad.update(skipped_files(skipped))
+    totals.reduce()
+    return totals
+
+
+@torch.no_grad()
+def predict(model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool,
+            k: int) -> list[tuple[int, str, list[int], list[float]]]:
+    """Every rank's (position, error, top-k classes, probabilities), in split order; a bad image is
+    its error message with no classes, and the others are still predicted."""
+    rows = []
+    for positions, logits, _labels, _skipped, errors in logits_by_batch(model, loader, device, precision,
+                                                                        channels_last):
+        probs, classes = logits.softmax(dim=1).topk(min(k, logits.shape[1]), dim=1)
+        for position, error, top, p in zip(positions, errors, classes.tolist(), probs.tolist(), strict=True):
+            rows.append((position, error, [], []) if error else (position, "", top, p))
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, rows)
+        rows = [row for rank in everyone for row in rank]
+    return sorted(rows)

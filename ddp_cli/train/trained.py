@@ -1,0 +1,64 @@
+"""A checkpoint as a classifier: its config, its classes and the weights asked for (live or EMA).
+
+What `validate`, `predict` and `export` start from. A checkpoint is a training
+state (optimiser, RNGs, progress); these commands need only the network, the
+class list with its descriptions, the preprocessing of validation and the
+final accuracy of the chosen weights, so they all read it here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ddp_cli.config import RunConfig, config_from_dict
+from ddp_cli.errors import ConfigError, DataError
+from ddp_cli.models import build_model
+from ddp_cli.train.checkpoint import load_checkpoint
+
+Weights = Literal["model", "ema"]
+
+
+@dataclass
+class Trained:
+    path: Path
+    cfg: RunConfig
+    classes: list[str]  # synsets (or class folder names), in label order
+    descriptions: list[str]  # one per class; the synset again where the checkpoint has none
+    weights: Weights
+    state_dict: dict[str, torch.Tensor] | None  # None: the file has none (refused when built)
+    final: dict[str, Any]  # the last validation of these weights during training ({} if none)
+    dataset: dict[str, Any]  # the registry entry it was trained on
+
+    def build(self) -> nn.Module:
+        """The network in eval mode with these weights, loaded strictly."""
+        if self.state_dict is None:
+            raise DataError(f"{self.path}: holds no model weights; give a checkpoint from <run>/checkpoints/")
+        model = build_model(self.cfg.model, len(self.classes), self.cfg.data.image_size)
+        try:
+            model.load_state_dict(self.state_dict)
+        except RuntimeError as e:
+            raise ConfigError(f"{self.path}: weights do not fit model {self.cfg.model.name!r} with "
+                              f"{len(self.classes)} classes; pass the run's own --config") from e
+        return model.eval()
+
+
+def load_trained(path: str | Path, weights: Weights = "model", cfg: RunConfig | None = None) -> Trained:
+    """Read `path` (safely, `load_checkpoint`); `cfg` replaces the checkpoint's own config."""
+    state = load_checkpoint(path)
+    cfg = cfg or config_from_dict(state["config"], str(path))
+    cfg.model.weights = None  # the checkpoint's weights are used, not the run's starting point
+    if weights == "ema":
+        if not state.get("ema"):
+            raise ConfigError(f"--weights ema: {path} holds no EMA weights (the run had "
+                              "train.ema_decay = 0); use --weights model, or train with train.ema_decay")
+        tensors, final = state["ema"]["module"], state.get("final_ema") or {}
+    else:
+        tensors, final = state.get("model"), state.get("final") or {}
+    classes = list(state["classes"])
+    return Trained(Path(path), cfg, classes, list(state.get("descriptions") or classes), weights,
+                   tensors, dict(final), dict(state.get("dataset") or {}))
