@@ -21,7 +21,7 @@ class EvalTotals:
     """Running loss sum, images, hits at each k and the confusion matrix, on the device.
 
     `keep_topk` > 0 also keeps, per image, its split position and its `keep_topk`
-    best classes with their probabilities (`predictions`), for a predictions file.
+    best classes with their probabilities (`kept`, on rank 0 after `reduce`), for a predictions file.
     """
 
     def __init__(self, device: torch.device, topk: tuple[int, ...] = DEFAULT_TOPK,
@@ -68,10 +68,10 @@ class EvalTotals:
             if self.confusion.shape[0] < size:
                 self.confusion = torch.zeros(int(size), int(size), dtype=torch.int64, device=self.device)
             dist.all_reduce(self.confusion)
-            if self.keep_topk:
-                everyone: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(everyone, self.kept)
-                self.kept = sorted(row for rank in everyone for row in rank)
+            if self.keep_topk:  # only rank 0 writes them: gathered there, not to every rank
+                everyone: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+                dist.gather_object(self.kept, everyone, dst=0)
+                self.kept = sorted(row for rank in everyone for row in rank) if everyone else []
         loss, n, *hits = self.sums.tolist()
         n_safe = max(n, 1.0)
         at_k = {f"top{k}": h / n_safe for k, h in zip(self.ks, hits, strict=True)}
