@@ -24,9 +24,12 @@ constraints: setup
 train: setup
 	$(BIN)/ddp train configs/demo.toml
 
+# The in-process unit tests on every core (pytest-xdist); then the end-to-end tests, whose runs spawn
+# workers on every core themselves, one at a time.
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto tests/unit
+	$(BIN)/python -m pytest -q tests/e2e tests/cuda
 
 # The GPU paths (NCCL, bf16/fp16 autocast + GradScaler, pinned loaders); skipped without CUDA.
 test-cuda: setup

@@ -469,9 +469,98 @@ def datasets_check(
              'train with data.on_bad_image = "skip"', DATA, as_json, result)
 
 
+
+@command(datasets_app, "pack")
+def datasets_pack(
+    name: DatasetArg,
+    to: Annotated[str, typer.Option("--to", help="A local folder or s3://BUCKET/PREFIX (endpoint from "
+                                    "AWS_ENDPOINT_URL).")],
+    split: Annotated[str, typer.Option(help="train | val | all")] = "all",
+    max_side: Annotated[int | None, typer.Option(min=8, help="Shrink images whose longer side is above "
+                                                 "this (aspect kept).")] = None,
+    quality: Annotated[int, typer.Option(min=1, max=100, help="JPEG quality of re-encoded images.")] = 90,
+    shard_size: Annotated[float, typer.Option(min=0.01, help="Largest shard, MiB.")] = 256,
+    workers: Annotated[int | None, typer.Option(min=1, help="Threads reading and encoding "
+                                                "(default: one per CPU).")] = None,
+    on_bad_image: Annotated[str, typer.Option(help="error: stop (exit 3) naming the file; skip: leave "
+                                              "it out and list it in the index.")] = "error",
+    registry: RegistryOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Pack a data set into tar shards (WebDataset convention) + an index: `layout = "shards"`.
+
+    Every image becomes an RGB JPEG (quirk files re-encoded, plain ones copied unless --max-side
+    shrinks them). A killed pack resumes when run again with the same options; a shard is never
+    visible half-written, and the data set exists once index.json is written (last).
+
+    Examples:
+
+    * `ddp datasets pack imagenet_local --to /data/imagenet-256 --max-side 256`
+    * `ddp datasets pack imagenet_local --to s3://my-bucket/imagenet-shards --json`
+    """
+    from ddp_cli import commands
+    from ddp_cli.data.pack import PackOptions
+
+    split = one_of(split, ("train", "val", "all"), "--split")
+    on_bad_image = one_of(on_bad_image, ("error", "skip"), "--on-bad-image")
+    opts = PackOptions(max_side=max_side, quality=quality, shard_mib=shard_size, on_bad_image=on_bad_image)
+    with progress_bar(err.is_terminal and not as_json, f"packing {name}") as progress:
+        result = commands.datasets_pack(name, to, registry, split, opts, workers or os.cpu_count() or 1,
+                                        progress)
+
+    def human() -> None:
+        table = Table("split", "images", "shards", "MiB", "skipped", title=f"packed into {result['to']}",
+                      title_justify="left")
+        for split_name, row in result["splits"].items():
+            table.add_row(split_name, str(row["images"]), str(row["shards"]), f"{row['bytes'] / 2**20:.1f}",
+                          str(row["skipped"]))
+        Console().print(table)
+        Console().print(f"index: {result['index']} ({result['seconds']:.1f} s)")
+
+    emit(result, as_json, human)
+
+
+@command(datasets_app, "index")
+def datasets_index(
+    root: Annotated[str, typer.Argument(help="A folder or s3://BUCKET/PREFIX of tar shards; the index "
+                                        "is written there.")],
+    split: Annotated[list[str] | None, typer.Option(help="SPLIT=GLOB, e.g. train='train-*.tar' (default: "
+                                                    "train=*train*.tar and val=*val*.tar).")] = None,
+    classes: Annotated[str | None, typer.Option(help="A text file naming the classes, one per line, "
+                                                "in label order (default: the labels as names).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Index tar shards written by the webdataset library (`.jpg` + `.cls`), so ddp trains on them.
+
+    Writes index.json and per split <split>-samples.npz (every image's shard, offset, size and
+    label; each shard's sha256). Point a registry entry with `layout = "shards"` at the folder.
+
+    Examples:
+
+    * `ddp datasets index /data/wds --split train='shard-train-*.tar' --split val='shard-val-*.tar'`
+    """
+    from ddp_cli import commands
+
+    if split and not all("=" in item for item in split):
+        raise ConfigError("--split: write SPLIT=GLOB, e.g. --split train='train-*.tar'")
+    splits = dict(item.split("=", 1) for item in split) if split else {"train": "*train*.tar",
+                                                                       "val": "*val*.tar"}
+    with progress_bar(err.is_terminal and not as_json, f"indexing {root}") as progress:
+        result = commands.datasets_index(root, splits, classes, progress)
+
+    def human() -> None:
+        print_splits({name: {"images": row["images"], "shards": row["shards"]}
+                      for name, row in result["splits"].items()})
+        Console().print(f"index: {result['index']}")
+
+    emit(result, as_json, human)
+
 @command(bench_app, "data")
 def bench_data(
-    name: DatasetArg,
+    names: Annotated[list[str], typer.Argument(help="A data set in the registry; several: the same images "
+                                               "on other storages, a row each against the first.")],
+    latency_ms: Annotated[float, typer.Option(min=0, help="Storage rows: added first-byte latency of every "
+                                              "S3 request (a proxy in front of the endpoint).")] = 0,
     split: Annotated[str, typer.Option(help="train | val: whose files to read.")] = "train",
     workers: Annotated[int, typer.Option(min=0, help="DataLoader processes, for both pipelines.")] = 4,
     seconds: Annotated[float, typer.Option(min=1, help="Timed seconds, split over all pipelines.")] = 20,
@@ -483,17 +572,29 @@ def bench_data(
     registry: RegistryOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Images/s of the training input pipeline vs a plain torchvision loader, same files, workers and policy.
+    """Images/s of the training input pipeline vs a plain torchvision loader, same files, workers and policy;
+    with several data sets (or --latency-ms), of the pipeline over each one's storage.
+
+    Storage rows: local files, local shards, S3 files (serial: one GET per image; batched:
+    data.io_concurrency GETs at once), S3 shards; each with its ratio to the first row.
 
     Examples:
 
     * `ddp bench data demo --workers 2 --seconds 10`
     * `ddp bench data imagenet_local --workers 8 --json`
     * `ddp bench data imagenet_local --workers 2 --policy all --seconds 120`
+    * `ddp bench data jpegs jpegs_shards jpegs_s3 jpegs_s3_shards --latency-ms 50 --workers 2`
     """
     from ddp_cli.bench.data import POLICIES
     from ddp_cli.bench.data import bench_data as run
 
+    if len(names) > 1 or latency_ms:
+        from ddp_cli.bench.storage import bench_storage
+
+        result = bench_storage(names, registry, latency_ms, workers, seconds, batch_size, image_size)
+        emit(result, as_json, lambda: print_bench(result))
+        return
+    name = names[0]
     if split not in ("train", "val"):
         raise ConfigError(f"--split {split}: use train or val")
     policies = POLICIES if policy == "all" else tuple(dict.fromkeys(policy.split(",")))
@@ -947,6 +1048,9 @@ def print_train_summary(result: dict[str, Any]) -> None:
         f"run:        {result['run_dir']}\ncheckpoint: {result['checkpoint']}",
         highlight=False,
     )
+    if result.get("io_retries"):
+        Console().print(f"storage:    {result['io_retries']} transient error(s) retried (data.io_retries)",
+                        highlight=False)
 
 
 def _fmt(value: Any) -> str:

@@ -7,15 +7,18 @@ import shlex
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from ddp_cli.config import RunConfig, TrainConfig, load_config
 from ddp_cli.data.inputs import expand_inputs, input_root
-from ddp_cli.data.layouts import IndexTable, build_index
+from ddp_cli.data.layouts import SHARDS, IndexTable, build_index
+from ddp_cli.data.shards import describe as describe_shards
+from ddp_cli.data.shards import read_index
 from ddp_cli.data.storage import s3_filesystem
 from ddp_cli.distributed.setup import setup
 from ddp_cli.envinfo import machine
@@ -38,6 +41,9 @@ from ddp_cli.run.launch import LaunchOptions, external_launcher, launch, single_
 from ddp_cli.run.worker import run_job
 from ddp_cli.train.checkpoint import CheckpointStore
 from ddp_cli.train.trained import Trained, load_trained
+
+if TYPE_CHECKING:
+    from ddp_cli.data.pack import PackOptions
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -226,9 +232,11 @@ def datasets_show(name: str, registry: str | None) -> dict[str, Any]:
     entry = load_registry(registry).get(name)
     fs, root = entry.open()
     index = build_index(fs, root, entry.layout)
+    packed = {"packed": describe_shards(read_index(fs, root))} if entry.layout == SHARDS else {}
     return {
         **entry.model_dump(mode="json", exclude_none=True, exclude={"storage"}),
         "storage": entry.storage.model_dump(mode="json", exclude_defaults=True),
+        **packed,
         "splits": index.counts(),
         "classes": [{"index": i, "synset": synset, "description": text}
                     for i, (synset, text) in enumerate(zip(index.classes, index.descriptions, strict=True))],
@@ -245,6 +253,29 @@ def datasets_check(name: str, registry: str | None, split: str, workers: int | N
     fs, root = entry.open()
     return {"name": entry.name, "root": entry.storage.path,
             **check_dataset(fs, root, entry.layout, splits, workers, progress)}
+
+
+def datasets_pack(name: str, to: str, registry: str | None, split: str, opts: PackOptions, workers: int,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """`pack` the registry entry `name` into `to` (`split`: train, val or all)."""
+    from ddp_cli.data.pack import Source, pack
+
+    splits = ("train", "val") if split == "all" else (split,)
+    entry = load_registry(registry).get(name)
+    fs, root = entry.open()
+    if entry.layout == SHARDS:
+        raise ConfigError(f"data set {name!r} is packed already (layout shards); pack its source instead")
+    index = build_index(fs, root, entry.layout, splits=splits, on_bad_image=opts.on_bad_image)
+    source = Source(fs, root, entry.name, entry.layout, entry.storage.path)
+    return pack(source, index, to, replace(opts, splits=splits), workers, progress)
+
+
+def datasets_index(root: str, splits: dict[str, str], classes: str | None,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Index tar shards written by the webdataset library, so `layout = "shards"` reads them."""
+    from ddp_cli.data.wds_index import index_shards
+
+    return index_shards(root, splits, classes, progress)
 
 
 def env() -> dict[str, Any]:

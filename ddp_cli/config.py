@@ -66,6 +66,23 @@ class DataConfig(Section):
         "(~ and $VARS expand), so later epochs and runs read the disk, not the bucket. "
         "Unset = no cache; ignored for local roots.",
     )
+    shuffle_shards: PositiveInt = Field(
+        8, description='layout = "shards": training order = the shards in a fresh order each epoch, '
+        "read this many at a time with their images shuffled together (the shuffle window; README, "
+        '"Packed shards").',
+    )
+    io_concurrency: PositiveInt = Field(
+        16, description="Remote (S3) roots: requests in flight at once per loader process (a batch's "
+        "objects are fetched together, not one round trip at a time).",
+    )
+    io_retries: NonNegativeInt = Field(
+        5, description="Remote (S3) roots: retries of a request that fails transiently (HTTP 5xx, "
+        "throttling, connection reset, timeout), waiting io_retry_wait_s, doubling, capped at 10 s. "
+        "One that still fails ends the run (exit 3) naming the object.",
+    )
+    io_retry_wait_s: float = Field(
+        0.2, gt=0, description="Remote (S3) roots: the first wait before a retry, in seconds.",
+    )
     val_image_size: int | None = Field(
         None, ge=8, description="Validation crop side (unset = image_size). Testing above the train "
         "size gains accuracy (FixRes, Touvron et al. 2019).",

@@ -115,7 +115,7 @@ def resolve_loaders(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index
                     model: nn.Module, split: str) -> LoaderChoice:
     """`choose_loaders` for this node, written into the config: the workers read concrete numbers."""
     fs, root = entry.open()
-    choice = choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split].paths,
+    choice = choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split],
                             model, train=split == "train", augment=cfg.augment)
     cfg.data.workers, cfg.data.prefetch_factor = choice.workers, choice.prefetch_factor
     return choice

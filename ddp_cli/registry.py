@@ -20,7 +20,7 @@ import fsspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ddp_cli.config import describe_validation_error
-from ddp_cli.data.layouts import LAYOUTS, infer_layout
+from ddp_cli.data.layouts import KNOWN_LAYOUTS, infer_layout
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 
 DRIVERS = ("FileSystem", "S3")
@@ -61,8 +61,9 @@ class DatasetEntry(BaseModel):
     name: str = Field(description="The name run configs use.")
     uuid: uuidlib.UUID | None = Field(None, description="A stable identity, as in DataSets.jl.")
     description: str = Field("", description="One line for `ddp datasets list`.")
-    layout: str = Field(AUTO, description="How files are arranged: imagenet-loc or imagefolder; "
-                        "auto (the default) looks at the root when the data set is opened.")
+    layout: str = Field(AUTO, description="How files are arranged: imagenet-loc, imagefolder or shards "
+                        "(written by `ddp datasets pack`); auto (the default) looks at the root when the "
+                        "data set is opened.")
     generator: Literal["sklearn-digits"] | None = Field(
         None, description="Build the root offline on first use from data a package ships."
     )
@@ -71,7 +72,7 @@ class DatasetEntry(BaseModel):
     @field_validator("layout")
     @classmethod
     def known_layout(cls, layout: str) -> str:
-        return one_of(layout, [AUTO, *LAYOUTS], "layout")
+        return one_of(layout, [AUTO, *KNOWN_LAYOUTS], "layout")
 
     def open(self) -> tuple[fsspec.AbstractFileSystem, str]:
         """The filesystem and root path; settles `layout = "auto"` from what the root holds."""

@@ -28,7 +28,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import fsspec
@@ -39,8 +39,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.augment import train_transform
 from ddp_cli.data.images import BadImage
-from ddp_cli.data.loaders import fetch
-from ddp_cli.data.storage import FileReader
+from ddp_cli.data.loaders import open_reader, read_row
+from ddp_cli.data.packed import Split
 from ddp_cli.data.transforms import ValTransform
 
 MIN_GAIN = 0.10  # loader processes on CPU only when they would speed a step up this much
@@ -72,22 +72,22 @@ def cores_per_rank(nproc: int) -> int:
     return max(1, (cores or 1) // max(1, nproc))
 
 
-def decode_ms(fs: fsspec.AbstractFileSystem, root: str, paths: Sequence[str],
+def decode_ms(fs: fsspec.AbstractFileSystem, root: str, split: Split,
               transform: Callable, samples: int = SAMPLES) -> float:
     """Milliseconds one process takes to read, decode and crop one image, over images spread
-    through `paths` (bad ones cost their attempt, as they would in a loader)."""
-    reader = FileReader(fs, root)
-    step = max(1, len(paths) // (samples + 1))
-    picks = [paths[i] for i in range(0, len(paths), step)][: samples + 1]
+    through `split` (bad ones cost their attempt, as they would in a loader)."""
+    reader = open_reader(fs, root, split)
+    step = max(1, len(split) // (samples + 1))
+    picks = list(range(0, len(split), step))[: samples + 1]
 
-    def load(path: str) -> None:
+    def load(row: int) -> None:
         with contextlib.suppress(BadImage):
-            transform(fetch(reader, path))
+            transform(read_row(reader, split, row))
 
     load(picks[0])  # the first pays for imports and caches
     started = time.perf_counter()
-    for path in picks[1:]:
-        load(path)
+    for row in picks[1:]:
+        load(row)
     return (time.perf_counter() - started) * 1000 / max(1, len(picks) - 1)
 
 
@@ -135,7 +135,7 @@ def choose_prefetch(workers: int) -> int:
 
 
 def choose_loaders(cfg: DataConfig, device: str, nproc: int, fs: fsspec.AbstractFileSystem, root: str,
-                   paths: Sequence[str], model: nn.Module, train: bool = True,
+                   split: Split, model: nn.Module, train: bool = True,
                    augment: AugmentConfig = AugmentConfig()) -> LoaderChoice:
     """`data.workers` and `data.prefetch_factor`, each as set or, if "auto", by the rule."""
     if cfg.workers != "auto":
@@ -145,7 +145,7 @@ def choose_loaders(cfg: DataConfig, device: str, nproc: int, fs: fsspec.Abstract
         size = cfg.image_size if train else cfg.val_image_size or cfg.image_size
         transform = train_transform(cfg, augment, size) if train else \
             ValTransform(size, cfg.val_resize, augment.interpolation)
-        decode = decode_ms(fs, root, paths, transform)
+        decode = decode_ms(fs, root, split, transform)
         cost = model_ms(model, size, train) if device == "cpu" and cores > 1 else None
         workers, rule = choose_workers(cores, device, decode, cost)
         inputs = {"cores_per_rank": cores, "decode_ms": decode, "model_ms": cost}

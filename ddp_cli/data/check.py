@@ -13,7 +13,9 @@ the disk or the network, and libjpeg-turbo and PIL decode without the GIL.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +24,11 @@ from typing import Any
 import fsspec
 
 from ddp_cli.data.images import BadImage, decode
-from ddp_cli.data.layouts import SPLITS, build_index
-from ddp_cli.data.loaders import fetch
+from ddp_cli.data.layouts import SHARDS, SPLITS, build_index
+from ddp_cli.data.loaders import open_reader, read_row
+from ddp_cli.data.packed import Split
+from ddp_cli.data.shard_reader import ShardReader
+from ddp_cli.data.shards import read_index
 from ddp_cli.data.storage import FileReader
 
 CHUNK = 4096  # files in flight at once: a million futures would not fit in memory
@@ -44,17 +49,27 @@ def check_dataset(
     """Scan `splits` of the data set at `root`; `progress(done, total)` is called as files are checked."""
     started = time.perf_counter()
     index = build_index(fs, root, layout, splits=splits)
-    reader = FileReader(fs, root)
-    paths = [path for split in splits for path in index.splits[split].paths]
     bad = list(index.problems)
+    if layout == SHARDS:
+        bad += check_shards(fs, root, splits)
+    rows = [(split, row) for split in splits for row in range(len(index.splits[split]))]
+    mine = threading.local()  # a reader per thread: a shard reader's open files are its own
+
+    def check(item: tuple[str, int]) -> str | None:
+        split = index.splits[item[0]]
+        if not hasattr(mine, "readers"):
+            mine.readers = {name: open_reader(fs, root, index.splits[name]) for name in splits}
+        return check_file(mine.readers[item[0]], split, item[1])
+
     with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="check") as pool:
-        for start in range(0, len(paths), CHUNK):
-            chunk = paths[start:start + CHUNK]
-            for offset, reason in enumerate(pool.map(lambda p: check_file(reader, p), chunk)):
+        for start in range(0, len(rows), CHUNK):
+            chunk = rows[start:start + CHUNK]
+            for done, ((split, row), reason) in enumerate(zip(chunk, pool.map(check, chunk), strict=True),
+                                                          start + 1):
                 if reason:
-                    bad.append({"path": chunk[offset], "reason": reason})
+                    bad.append({"path": index.splits[split].paths[row], "reason": reason})
                 if progress:
-                    progress(start + offset + 1, len(paths))
+                    progress(done, len(rows))
     return {
         "splits": index.counts(),
         "bad_files": sorted(bad, key=lambda b: b["path"]),
@@ -62,10 +77,31 @@ def check_dataset(
     }
 
 
-def check_file(reader: FileReader, path: str) -> str | None:
-    """Why `path` cannot be trained on, or None if it can."""
+def check_file(reader: FileReader | ShardReader, split: Split, row: int) -> str | None:
+    """Why row `row` of `split` cannot be trained on, or None if it can."""
     try:
-        decode(fetch(reader, path), 1, 1)
+        decode(read_row(reader, split, row), 1, 1)
     except BadImage as e:
         return str(e)
     return None
+
+
+def check_shards(fs: fsspec.AbstractFileSystem, root: str, splits: tuple[str, ...]) -> list[dict[str, str]]:
+    """Every shard of `splits` against the size and sha256 the index records (read as a stream)."""
+    meta = read_index(fs, root)
+    bad = []
+    for info in (shard for split in splits for shard in meta.splits[split].shards):
+        digest, size = hashlib.sha256(), 0
+        try:
+            with fs.open(f"{root.rstrip('/')}/{info.name}", "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    digest.update(block)
+                    size += len(block)
+        except FileNotFoundError:
+            bad.append({"path": info.name, "reason": "missing shard"})
+            continue
+        if (size, digest.hexdigest()) != (info.bytes, info.sha256):
+            bad.append({"path": info.name, "reason": f"shard differs from the index ({size} bytes, sha256 "
+                                                     f"{digest.hexdigest()[:12]}...; the index says "
+                                                     f"{info.bytes} bytes, {info.sha256[:12]}...)"})
+    return bad

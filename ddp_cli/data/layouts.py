@@ -29,6 +29,7 @@ import fsspec
 import numpy as np
 
 from ddp_cli.data.packed import Split
+from ddp_cli.data.retry import with_retries
 from ddp_cli.data.storage import UNSAFE_PATH, escapes
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 from ddp_cli.io import write_text
@@ -99,8 +100,12 @@ def build_index(
     """
     import pandas as pd
 
+    if layout == SHARDS:
+        from ddp_cli.data.shards import shards_table
+
+        return shards_table(fs, root, classes, splits)
     if layout not in LAYOUTS:
-        raise ConfigError(f"layout {layout!r} is unknown; known layouts: {', '.join(LAYOUTS)}")
+        raise ConfigError(f"layout {layout!r} is unknown; known layouts: {', '.join(KNOWN_LAYOUTS)}")
     root = root.rstrip("/")
     listing = LAYOUTS[layout](fs, root, splits)
     if listing.unsafe and on_bad_image == "error":
@@ -157,7 +162,7 @@ def select_classes(
 
 def _read_text(fs: fsspec.AbstractFileSystem, path: str) -> str:
     try:
-        return fs.cat_file(path).decode()
+        return with_retries(lambda: fs.cat_file(path), path).decode()
     except FileNotFoundError as e:
         raise DataError(f"{path}: missing; is the data set root right?") from e
 
@@ -273,10 +278,16 @@ LAYOUTS: dict[str, Callable[[fsspec.AbstractFileSystem, str, tuple[str, ...]], L
 def infer_layout(fs: fsspec.AbstractFileSystem, root: str) -> str:
     """The layout of a root whose registry entry names none (DataSets.jl registries do not)."""
     root = root.rstrip("/")
+    if fs.exists(f"{root}/index.json"):
+        return SHARDS
     if fs.exists(f"{root}/LOC_synset_mapping.txt"):
         return "imagenet-loc"
     if fs.isdir(f"{root}/train") and fs.isdir(f"{root}/val"):
         return "imagefolder"
-    raise DataError(f"{root}: cannot tell its layout: neither LOC_synset_mapping.txt (imagenet-loc) nor "
-                    "train/ and val/ folders (imagefolder) are there; fix storage.path or set layout "
-                    "in the registry entry")
+    raise DataError(f"{root}: cannot tell its layout: neither LOC_synset_mapping.txt (imagenet-loc), "
+                    "train/ and val/ folders (imagefolder) nor index.json (shards) are there; fix "
+                    "storage.path or set layout in the registry entry")
+
+
+SHARDS = "shards"  # written by `ddp datasets pack` (shards.py): an index, not a listing of files
+KNOWN_LAYOUTS = (*LAYOUTS, SHARDS)

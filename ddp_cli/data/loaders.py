@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -21,8 +22,10 @@ from ddp_cli.data.augment import train_transform
 from ddp_cli.data.images import BadImage, EncodedImage, open_image
 from ddp_cli.data.layouts import IndexTable
 from ddp_cli.data.packed import Split
-from ddp_cli.data.sampler import ShardSampler
+from ddp_cli.data.retry import IoPolicy, count_retries
+from ddp_cli.data.sampler import ShardSampler, shard_sequence
 from ddp_cli.data.seeds import derived_seed
+from ddp_cli.data.shard_reader import ShardReader
 from ddp_cli.data.storage import FileReader, UnsafePath
 from ddp_cli.data.transforms import ValTransform
 from ddp_cli.errors import DataError
@@ -30,16 +33,30 @@ from ddp_cli.errors import DataError
 SKIP_ATTEMPTS = 16
 
 
-def fetch(reader: FileReader, path: str) -> EncodedImage:
-    """Read a file and its image header; `BadImage` if it is missing, unreadable or unsafe."""
+def fetch(reader: FileReader | ShardReader, path: str, member: np.ndarray | None = None) -> EncodedImage:
+    """Read a file (or, `member` = (offset, size), an image in a shard) and its image header; `BadImage`
+    if it is missing, unreadable or unsafe."""
     try:
-        return open_image(reader.read(path))
+        return open_image(reader.read(path) if member is None else reader.read(path, member))
     except UnsafePath as e:
         raise BadImage(str(e)) from e
     except FileNotFoundError as e:
         raise BadImage("missing file") from e
     except OSError as e:  # local I/O errors; remote ones arrive as DataError
         raise BadImage(f"unreadable ({e.strerror or e})") from e
+
+
+def open_reader(fs: fsspec.AbstractFileSystem, root: str, split: Split, cache_dir: str | None = None,
+                shard_cache: int = 32, policy: IoPolicy = IoPolicy()) -> FileReader | ShardReader:
+    """The reader of `split`'s rows: files under the root, or images inside packed shards."""
+    if split.sharded:
+        return ShardReader(fs, root, cache_dir, shard_cache, policy)
+    return FileReader(fs, root, cache_dir, policy)
+
+
+def read_row(reader: FileReader | ShardReader, split: Split, row: int) -> EncodedImage:
+    """`fetch` of the split's row `row`, wherever its bytes lie."""
+    return fetch(reader, split.paths[row], None if split.members is None else split.members[row])
 
 
 class ImageDataset(Dataset):
@@ -64,17 +81,21 @@ class ImageDataset(Dataset):
         on_bad_image: str = "error",
         out_size: int = 224,
         cache_dir: str | None = None,
+        shard_cache: int = 32,
+        policy: IoPolicy = IoPolicy(),
+        window: int = 8,
     ) -> None:
-        self.reader = FileReader(fs, root, cache_dir)
+        self.reader = open_reader(fs, root, split, cache_dir, shard_cache, policy)
+        self.window = window  # shards read at a time (data.shuffle_shards), for `read_ahead`
         self.transform = transform
-        self.paths, self.labels = split.paths, split.labels
+        self.split, self.paths, self.labels = split, split.paths, split.labels
         self.on_bad_image, self.out_size = on_bad_image, out_size
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def load(self, index: int) -> torch.Tensor:
-        return self.transform(fetch(self.reader, self.paths[index]))
+        return self.transform(read_row(self.reader, self.split, index))
 
     def __getitem__(self, index: int):
         skipped: list[str] = []
@@ -94,6 +115,30 @@ class ImageDataset(Dataset):
                 return self.failed(index, str(e))
         return self.failed(index, f"{SKIP_ATTEMPTS} bad images in a row, the last {where}; "
                                   "run `ddp datasets check` on the data set")
+
+    def __getitems__(self, indices: list[int]) -> list:
+        """A batch (the DataLoader asks for whole batches when this exists): the files read together
+        first (`FileReader.prefetch`), then each item exactly as `__getitem__` makes it."""
+        self.read_ahead(indices)
+        return [self[i] for i in indices]
+
+    def read_ahead(self, indices: list[int], seed: int = 0, epoch: int | None = None) -> None:
+        """Before a batch: its files requested together; for remote shards, the shards read after this
+        batch's downloaded in the background: the next window of the (seed, epoch) shard order in
+        training, the next shards in order in validation (`epoch` None)."""
+        self.reader.prefetch([self.paths[i] for i in indices])
+        if not self.split.sharded:
+            return
+        starts, count = self.split.starts, len(self.split.starts) - 1
+        shards = set((np.searchsorted(starts, indices, side="right") - 1).tolist())
+        if epoch is None:
+            after = range(max(shards) + 1, min(max(shards) + 1 + self.window, count))
+        else:
+            sequence = shard_sequence(count, torch.Generator().manual_seed(derived_seed(seed, epoch)))
+            window = max(sequence.index(j) for j in shards) // self.window
+            after = sequence[(window + 1) * self.window:(window + 2) * self.window]
+        self.reader.download_ahead([self.paths[int(starts[j])].split("/", 1)[0] for j in after
+                                    if starts[j] < starts[j + 1]])
 
     def failed(self, index: int, message: str):
         blank = torch.zeros(self.out_size, self.out_size, 3, dtype=torch.uint8)
@@ -120,6 +165,11 @@ class EpochItems(Dataset):
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def __getitems__(self, items: list[tuple[int, int, int]]) -> list:
+        """A batch: its files read together, then each item as `__getitem__` makes it (same seeds)."""
+        self.dataset.read_ahead([index for index, _, _ in items], self.seed, items[0][1])
+        return [self[item] for item in items]
 
     def __getitem__(self, item: tuple[int, int, int]):
         index, epoch, copy = item
@@ -171,7 +221,9 @@ def make_loader(
     drop_last: bool,
     seed: int,
 ) -> DataLoader:
-    """A DataLoader with persistent prefetching workers and a seeded augmentation RNG."""
+    """A DataLoader with persistent prefetching workers and a seeded augmentation RNG; the rank's retry
+    counter is made first, so the loader processes fork with it."""
+    count_retries()
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -204,14 +256,21 @@ def build_loaders(
     if not train:
         return Loaders(None, val, None)
     transform = train_transform(cfg, augment)
-    dataset = ImageDataset(fs, root, index.splits["train"], transform, cfg.on_bad_image, transform.size,
-                           cfg.cache_dir)
+    split = index.splits["train"]
+    dataset = ImageDataset(fs, root, split, transform, cfg.on_bad_image, transform.size, cfg.cache_dir,
+                           shard_cache(cfg), IoPolicy.of(cfg), cfg.shuffle_shards)
     sampler = ShardSampler(len(dataset), rank, world_size, shuffle=True, seed=seed, batch_size=cfg.batch_size,
-                           repeats=augment.repeated_aug, with_epoch=True)
+                           repeats=augment.repeated_aug, with_epoch=True, shards=split.starts,
+                           window=cfg.shuffle_shards)
     items = EpochItems(dataset, seed, cfg.train_size if cfg.min_image_size else None)
     train_loader = make_loader(items, sampler, cfg.batch_size, cfg.workers, cfg.prefetch_factor, pin_memory,
                                drop_last=True, seed=seed + 1000 * (rank + 1))
     return Loaders(train_loader, val, sampler)
+
+
+def shard_cache(cfg: DataConfig) -> int:
+    """Remote shards a node keeps: the window being read, the next one, and room for stragglers."""
+    return 2 * cfg.shuffle_shards + 4
 
 
 def eval_loader(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str, split: Split, rank: int,
@@ -221,7 +280,7 @@ def eval_loader(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str, split
     dropped. `on_bad_image` "report" (predict) hands a bad file's reason over as the item's error."""
     transform = ValTransform(cfg.val_image_size or cfg.image_size, cfg.val_resize, interpolation)
     dataset = ImageDataset(fs, root, split, transform, on_bad_image or cfg.on_bad_image, transform.size,
-                           cfg.cache_dir)
+                           cfg.cache_dir, shard_cache(cfg), IoPolicy.of(cfg), cfg.shuffle_shards)
     sampler = ShardSampler(len(dataset), rank, world_size, shuffle=False)
     return make_loader(dataset, sampler, cfg.batch_size, cfg.workers, cfg.prefetch_factor, pin_memory,
                        drop_last=False, seed=seed + 1000 * (rank + 1))

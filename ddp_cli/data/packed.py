@@ -56,15 +56,29 @@ class PackedStrings(Sequence[str]):
 
 @dataclass(frozen=True, eq=False)
 class Split:
-    """One split of an index: row i is the image at `paths[i]` (under the root), of class `labels[i]`."""
+    """One split of an index: row i is the image at `paths[i]` (under the root), of class `labels[i]`.
+
+    Packed shards (`layout = "shards"`) add where each image lies: `paths[i]` is
+    `<shard>/<member>`, `members[i]` its (byte offset, size) inside the shard, and
+    the rows of shard j are `starts[j]:starts[j + 1]` (rows are grouped by shard).
+    """
 
     paths: PackedStrings
     labels: np.ndarray
+    members: np.ndarray | None = None  # (n, 2) int64: offset and size of the image in its shard
+    starts: np.ndarray | None = None  # (shards + 1,) int64: the first row of each shard, then n
 
     @classmethod
-    def of(cls, paths: Iterable[str], labels: Sequence[int] | np.ndarray) -> Split:
+    def of(cls, paths: Iterable[str], labels: Sequence[int] | np.ndarray,
+           members: np.ndarray | None = None, starts: np.ndarray | None = None) -> Split:
         labels = np.asarray(labels)
-        return cls(PackedStrings.pack(paths), labels.astype(smallest_int(labels)))
+        return cls(PackedStrings.pack(paths), labels.astype(smallest_int(labels)),
+                   None if members is None else np.asarray(members, dtype=np.int64).reshape(-1, 2),
+                   None if starts is None else np.asarray(starts, dtype=np.int64))
+
+    @property
+    def sharded(self) -> bool:
+        return self.members is not None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -73,28 +87,38 @@ class Split:
         """Exactly the same rows in the same order (label dtypes may differ)."""
         if not isinstance(other, Split):
             return NotImplemented
-        return self.paths == other.paths and np.array_equal(self.labels, other.labels)
+        return (self.paths == other.paths and np.array_equal(self.labels, other.labels)
+                and _same(self.members, other.members) and _same(self.starts, other.starts))
 
     def classes(self) -> int:
         """How many distinct labels the split holds."""
         return len(np.unique(self.labels))
 
     def save(self, folder: Path, name: str) -> None:
-        parts = {"paths": self.paths.data, "offsets": self.paths.offsets, "labels": self.labels}
+        parts = {"paths": self.paths.data, "offsets": self.paths.offsets, "labels": self.labels,
+                 "members": self.members, "starts": self.starts}
         for part, array in parts.items():
+            if array is None:
+                continue
             atomic_write(folder / f"{name}-{part}.npy", lambda f, a=array: np.save(f, a))
 
     @classmethod
     def load(cls, folder: Path, name: str) -> Split:
         """Memory-mapped, read-only: pages come from the page cache, shared by every process."""
-        def part(which: str) -> np.ndarray:
-            return np.asarray(np.load(folder / f"{name}-{which}.npy", mmap_mode="r"))
+        def part(which: str) -> np.ndarray | None:
+            file = folder / f"{name}-{which}.npy"
+            return np.asarray(np.load(file, mmap_mode="r")) if file.exists() else None
 
-        return cls(PackedStrings(part("paths"), part("offsets")), part("labels"))
+        return cls(PackedStrings(part("paths"), part("offsets")), part("labels"), part("members"),
+                   part("starts"))
 
     @staticmethod
     def saved(folder: Path, name: str) -> bool:
         return (folder / f"{name}-labels.npy").exists()
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return a is b or (a is not None and b is not None and np.array_equal(a, b))
 
 
 def smallest_int(values: np.ndarray) -> np.dtype:

@@ -16,6 +16,12 @@ again, ...), so the copies of an image sit q apart; q >= b puts them on m
 different ranks whenever k >= m, including a group that straddles two chunks.
 The layout depends on k*b alone, so one process with batch k*b sees it too.
 
+A packed data set (`layout = "shards"`) is read a few shards at a time, so the
+epoch's order is not one permutation of every image: the shards come in a
+fresh (seed, epoch) order, `window` at a time, and the images of each window are
+shuffled together (`shard_order`). It depends on (seed, epoch) alone, like the
+permutation it replaces, so everything above holds for shards too.
+
 Validation deals in order, rank r taking r, r+k, ...: every image exactly once,
 nothing padded or dropped.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -33,6 +40,25 @@ from ddp_cli.data.seeds import derived_seed
 
 def permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(derived_seed(seed, epoch)))
+
+
+def shard_sequence(shards: int, g: torch.Generator) -> list[int]:
+    """The epoch's order of the shards: `g`'s first draw (seeded by (seed, epoch)), so a loader process
+    that knows (seed, epoch) knows which shards come next (shard_reader.py downloads them ahead)."""
+    return torch.randperm(shards, generator=g).tolist()
+
+
+def shard_order(starts: np.ndarray, seed: int, epoch: int, window: int) -> torch.Tensor:
+    """Rows of shards in a (seed, epoch) order, read `window` shards at a time, the rows of each window
+    permuted together; the rows of shard j are starts[j]:starts[j + 1]."""
+    g = torch.Generator().manual_seed(derived_seed(seed, epoch))
+    shards = shard_sequence(len(starts) - 1, g)
+    windows = []
+    for first in range(0, len(shards), window):
+        group = shards[first:first + window]
+        rows = torch.cat([torch.arange(int(starts[j]), int(starts[j + 1])) for j in group])
+        windows.append(rows[torch.randperm(len(rows), generator=g)])
+    return torch.cat(windows) if windows else torch.zeros(0, dtype=torch.int64)
 
 
 def repeated(order: torch.Tensor, repeats: int, chunk: int) -> torch.Tensor:
@@ -57,7 +83,8 @@ def deal(rows: torch.Tensor, rank: int, world_size: int, batch_size: int) -> tor
 
 class ShardSampler(Sampler):
     """Rank `rank`'s share of [0, n): a fresh order every epoch, dealt in blocks of `batch_size`
-    (train, `shuffle`), or in order, every k-th image (val).
+    (train, `shuffle`), or in order, every k-th image (val). `shards`/`window`: a packed split's shard
+    starts and how many shards are read at a time (`shard_order`).
 
     `set_epoch(epoch, skip)` resumes mid-epoch: the first `skip` positions of the
     epoch's order (trained on by all ranks together: whole global batches) are left
@@ -67,11 +94,13 @@ class ShardSampler(Sampler):
     """
 
     def __init__(self, n: int, rank: int, world_size: int, shuffle: bool, seed: int = 0,
-                 batch_size: int = 1, repeats: int = 1, with_epoch: bool = False) -> None:
+                 batch_size: int = 1, repeats: int = 1, with_epoch: bool = False,
+                 shards: np.ndarray | None = None, window: int = 1) -> None:
         self.n, self.rank, self.world_size, self.batch_size = n, rank, world_size, batch_size
         self.shuffle, self.seed, self.repeats, self.with_epoch = shuffle, seed, repeats, with_epoch
         self.chunk = world_size * batch_size  # positions per global batch
         self.epoch, self.skip, self.layout = 0, 0, self.chunk
+        self.shards, self.window = shards, window  # packed: first row of each shard, then n
 
     def set_epoch(self, epoch: int, skip: int = 0, layout: int = 0) -> None:
         """`layout`: the chunk the epoch's order was laid out for when it began at another world size
@@ -80,7 +109,9 @@ class ShardSampler(Sampler):
 
     def order(self) -> torch.Tensor:
         """The epoch's (index, copy) rows, all ranks'."""
-        return repeated(permutation(self.n, self.seed, self.epoch), self.repeats, self.layout)
+        order = (permutation(self.n, self.seed, self.epoch) if self.shards is None
+                 else shard_order(self.shards, self.seed, self.epoch, self.window))
+        return repeated(order, self.repeats, self.layout)
 
     def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int, int]]:
         if not self.shuffle:

@@ -21,11 +21,14 @@ name a profile, never a key. What fsspec leaves to us:
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import fsspec
 
+from ddp_cli.data.retry import IoPolicy, with_retries
 from ddp_cli.errors import DataError, require_extra
 
 UNSAFE_PATH = "unsafe path (absolute, or .. out of its folder)"
@@ -71,6 +74,17 @@ def storage_error(e: Exception, where: str) -> DataError | None:
     return None
 
 
+@dataclass(frozen=True)
+class S3Location:
+    """What `s3_filesystem` needs of a registry entry's storage, for places that have only a URL."""
+
+    path: str  # s3://BUCKET[/PREFIX]
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    anon: bool = False
+
+
 def s3_filesystem(storage, fix: str = "fix storage.path in the registry"
                   ) -> tuple[fsspec.AbstractFileSystem, str]:
     """An s3fs filesystem for `storage` and the root as bucket/prefix, checked by one listing (`fix`
@@ -78,13 +92,16 @@ def s3_filesystem(storage, fix: str = "fix storage.path in the registry"
     require_extra("s3", storage.path)
     client = {k: v for k, v in (("endpoint_url", storage.endpoint_url), ("region_name", storage.region))
               if v}
-    options = {"anon": storage.anon, "client_kwargs": client}
+    options = {"anon": storage.anon, "client_kwargs": client,
+               "config_kwargs": {"retries": {"total_max_attempts": 1}}}  # retry.py retries, and counts
     if storage.profile:
         options["profile"] = storage.profile
     root = storage.path.removeprefix("s3://").rstrip("/")
     try:
-        fs = fsspec.filesystem("s3", **options)
-        fs.ls(root)
+        from ddp_cli.data.s3fs_once import S3FileSystemOnce
+
+        fs = S3FileSystemOnce(**options)
+        with_retries(lambda: fs.ls(root), storage.path)
     except FileNotFoundError as e:
         what = "no such bucket" if "bucket" in str(e).lower() else "no such prefix in the bucket"
         raise DataError(f"{storage.path}: {what}; {fix}") from e
@@ -97,12 +114,17 @@ def s3_filesystem(storage, fix: str = "fix storage.path in the registry"
 
 
 class FileReader:
-    """Reads files under a data set root: fork-safe, optionally through a local cache of remote files."""
+    """Reads files under a data set root: fork-safe, optionally through a local cache of remote files;
+    remote reads retried on transient errors (`policy`)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, cache_dir: str | Path | None = None) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, cache_dir: str | Path | None = None,
+                 policy: IoPolicy = IoPolicy()) -> None:
         self._fs, self._pid = fs, os.getpid()
         self.root = root.rstrip("/")
         self.cache = cache_folder(fs, self.root, cache_dir)
+        self.policy = policy
+        self._ready: dict[str, bytes | Exception] = {}  # what `prefetch` read for the next `read`s
+        self._threads: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): none crosses a fork
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -111,17 +133,44 @@ class FileReader:
             self._pid = os.getpid()
         return self._fs
 
+    def prefetch(self, paths: list[str]) -> None:
+        """Read `paths` together, `policy.concurrency` requests in flight, for the `read`s that follow
+        (each takes its file, or raises its error): a batch of remote files costs about one round trip,
+        not one per file. Local roots read on demand."""
+        self._ready = {}
+        if _is_local(self._fs) or self.policy.concurrency < 2 or len(paths) < 2:
+            return
+        if self._threads is None or self._threads[0] != os.getpid():
+            self._threads = os.getpid(), ThreadPoolExecutor(self.policy.concurrency, "fetch")
+
+        def one(path: str) -> bytes | Exception:
+            try:
+                return self.read(path)
+            except Exception as e:  # noqa: BLE001 - handed to the `read` of this path, raised there
+                return e
+
+        self._ready = dict(zip(paths, self._threads[1].map(one, paths), strict=True))
+
     def read(self, path: str) -> bytes:
         """The bytes of `root/path`; FileNotFoundError if missing, OSError for local I/O errors,
         DataError for remote storage failures (credentials, access, network), UnsafePath
         if `path` could leave the root."""
+        if path in self._ready:
+            ready = self._ready.pop(path)
+            if isinstance(ready, Exception):
+                raise ready
+            return ready
         if escapes(path):
             raise UnsafePath(UNSAFE_PATH)
         local = self.cache / path if self.cache else None
         if local is not None and local.is_file():
             return local.read_bytes()
+        where = f"{self.root}/{path}"
+        one_request = {} if _is_local(self._fs) else {"max_concurrency": 1}  # s3fs: no HEAD for the size
         try:
-            data = self.fs.cat_file(f"{self.root}/{path}")
+            data = with_retries(lambda: self.fs.cat_file(where, **one_request), where, self.policy)
+        except DataError:  # transient failures past the budget
+            raise
         except Exception as e:  # missing files and local I/O errors pass through: bad images
             mapped = None if _is_local(self._fs) else storage_error(e, f"{self.root}/{path}")
             if mapped is None:

@@ -159,6 +159,7 @@ class RunState:
     final_ema: dict[str, float] | None = None  # the EMA weights' validation, when on
     skipped_files: list[str] = field(default_factory=list)  # bad files replaced under "skip"
     world_sizes: list[int] = field(default_factory=list)  # of each segment: the start, every resume
+    io_retries: int = 0  # transient storage errors retried, all ranks and their loader processes
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

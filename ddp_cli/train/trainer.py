@@ -25,6 +25,7 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig, TrainConfig
 from ddp_cli.data.loaders import Loaders, skipped_files
+from ddp_cli.data.retry import retries_so_far
 from ddp_cli.data.transforms import to_model_input
 from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext
@@ -93,6 +94,7 @@ class Trainer:
         self.mixing = BatchMixing(cfg.augment, cfg.seed) if cfg.augment.mixing() else None
         self.state = RunState(global_batch=self.global_batch, world_sizes=[ctx.world_size])
         self.running = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # the epoch's loss sum, steps
+        self.retries_seen = retries_so_far()
         self.checkpointer = checkpointer or Checkpointer(None)
         self.on_validation: Callable[[EvalTotals, int], None] | None = None  # (totals, epoch): rank 0's files
         self.checkpointer.track(self.state, before_save=self.settle)
@@ -112,6 +114,8 @@ class Trainer:
             val = evaluation.metrics
             ema_val = self.validate(module=self.ema.module).metrics if self.ema else None
             bad = union_across_ranks(bad)  # distinct bad files met this epoch (train and val)
+            retries = self.retries_since_last()
+            self.state.io_retries += retries
             self.state.skipped_files = sorted(bad.union(self.state.skipped_files))
             self.state.epoch, self.state.final, self.state.final_ema = epoch + 1, val, ema_val
             self.state.step_in_epoch = self.state.samples_in_epoch = 0
@@ -120,11 +124,13 @@ class Trainer:
             row = {"epoch": epoch + 1, "train_loss": train_loss, "val_loss": val["loss"],
                    "top1": val["top1"], "top5": val["top5"], "seconds": seconds,
                    "images_per_second": self.steps_per_epoch * self.global_batch / seconds,
-                   "skipped": len(bad), **({"ema_top1": ema_val["top1"]} if ema_val else {})}
+                   "skipped": len(bad), "io_retries": retries,
+                   **({"ema_top1": ema_val["top1"]} if ema_val else {})}
             self.state.history.append(row)
             self.log({"split": "val", "epoch": epoch + 1, "step": self.state.step, **val,
                       "lr": self.optimizer.param_groups[0]["lr"], "image_size": cfg.data.train_size(epoch),
-                      "images_per_second": row["images_per_second"], "skipped_images": len(bad)})
+                      "images_per_second": row["images_per_second"], "skipped_images": len(bad),
+                      "io_retries": retries})
             if ema_val:
                 self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val})
             self.console.epoch_done(row)
@@ -134,6 +140,14 @@ class Trainer:
             self.checkpointer.after_step(top1=best_of["top1"])
         self.console.summary(self.state.history)
         return self.summary(images_seen / max(train_seconds, 1e-9))
+
+    def retries_since_last(self) -> int:
+        """Storage retries of every rank (and its loader processes) since the last call."""
+        mine = retries_so_far()
+        count = torch.tensor([mine - self.retries_seen], dtype=torch.int64, device=self.ctx.device)
+        self.retries_seen = mine
+        dist.all_reduce(count)
+        return int(count.item())
 
     def train_epoch(self, epoch: int) -> tuple[float, set[str]]:
         """One pass over this rank's shard (or what is left of it after a resume).
@@ -317,6 +331,7 @@ class Trainer:
             "best_top1": self.state.best_top1,
             "images_per_second": images_per_second,
             "skipped_images": len(self.state.skipped_files),  # distinct bad files, whole run
+            "io_retries": self.state.io_retries,  # transient storage errors retried, whole run
             "startup_seconds": self.startup.seconds(),  # to the end of the first step, by phase
             "world_sizes": self.state.world_sizes,
             "last_epoch": last,

@@ -30,11 +30,21 @@ def weights(run_dir):
     return torch.load(run_dir / "checkpoints/last.pt", weights_only=True)["model"]
 
 
+# Every augmentation at once, so that a stop by SIGTERM and its resume cover what augmentation adds to
+# resuming (the sampler's repeated layout, per-copy seeds, per-step MixUp/CutMix draws): repeated
+# augmentation, the per-image policy, jitter and erasing, and MixUp/CutMix (mix_prob 1 by default; the
+# switch picks either).
+AUGMENTED = ["--set", "augment.repeated_aug=2", "--set", "augment.policy=trivialaugment",
+             "--set", "augment.color_jitter=0.3", "--set", "augment.random_erase=0.5",
+             "--set", "augment.random_erase_value=random", "--set", "augment.mixup_alpha=0.2",
+             "--set", "augment.cutmix_alpha=1.0"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(demo_registry, tmp_path_factory):
-    """The reference: two epochs, never disturbed."""
+    """The reference: two epochs with every augmentation on, never disturbed."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    return last_json(train(demo_registry, run_dir, "--set", "train.epochs=2")), run_dir
+    return last_json(train(demo_registry, run_dir, *AUGMENTED, "--set", "train.epochs=2")), run_dir
 
 
 def assert_bit_identical(resumed: dict, reference: dict, run_dir: Path, reference_dir: Path) -> None:
@@ -43,11 +53,12 @@ def assert_bit_identical(resumed: dict, reference: dict, run_dir: Path, referenc
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
 
 
-def test_sigterm_checkpoints_then_resume_ends_bit_identical(demo_registry, tmp_path, uninterrupted):
+def test_sigterm_with_every_augmentation_on_checkpoints_then_resume_ends_bit_identical(
+        demo_registry, tmp_path, uninterrupted):
     reference, reference_dir = uninterrupted
     run_dir = tmp_path / "run"
     run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                  str(run_dir), *EXACT, "--set", "train.epochs=2")
+                  str(run_dir), *EXACT, *AUGMENTED, "--set", "train.epochs=2")
     run.wait_for("epoch 1/2 step 6/")
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(timeout=120) == 143, run.stderr
@@ -56,29 +67,7 @@ def test_sigterm_checkpoints_then_resume_ends_bit_identical(demo_registry, tmp_p
     assert stopped is not None and "step-" in stopped.name
     step = torch.load(stopped, weights_only=True)["step_in_epoch"]
     assert 6 <= step < 22  # mid-epoch
-    resumed = last_json(train(demo_registry, run_dir, "--set", "train.epochs=2"))
-    assert_bit_identical(resumed, reference, run_dir, reference_dir)
-
-
-# Every augmentation at once: repeated augmentation, the per-image policy, jitter and erasing, and MixUp/
-# CutMix (mix_prob 1 by default; the switch picks either). One short epoch: the mechanisms, cheaply.
-AUGMENTED = ["--set", "augment.repeated_aug=2", "--set", "augment.policy=trivialaugment",
-             "--set", "augment.color_jitter=0.3", "--set", "augment.random_erase=0.5",
-             "--set", "augment.random_erase_value=random", "--set", "augment.mixup_alpha=0.2",
-             "--set", "augment.cutmix_alpha=1.0", "--set", "train.epochs=1",
-             "--set", "train.max_steps_per_epoch=8"]
-
-
-def test_resume_with_every_augmentation_on_ends_bit_identical(demo_registry, tmp_path):
-    """What augmentation adds to resuming (the sampler's repeated layout, per-copy seeds, per-step mixing),
-    from a mid-epoch checkpoint of the reference run itself: two runs, not three. A stop by SIGTERM
-    checkpoints the same way at a step's end (the test above)."""
-    reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    every_3 = ["--set", "checkpoint.every_steps=3"]
-    reference = last_json(train(demo_registry, reference_dir, *AUGMENTED, *every_3))
-    middle = reference_dir / "checkpoints" / "step-000000003.pt"
-    assert torch.load(middle, weights_only=True)["step_in_epoch"] == 3  # mid-epoch
-    resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, "--resume", str(middle)))
+    resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, "--set", "train.epochs=2"))
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
 
 
@@ -86,7 +75,7 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes(demo_registry, tmp_pa
     reference, _ = uninterrupted
     run_dir = tmp_path / "run"
     run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                  str(run_dir), *EXACT, "--set", "train.epochs=2",
+                  str(run_dir), *EXACT, *AUGMENTED, "--set", "train.epochs=2",
                   "--set", "checkpoint.every_steps=4", "--max-restarts", "3")
     run.wait_for("epoch 1/2 step 10/")
     os.kill(run.workers()[1], signal.SIGKILL)

@@ -13,6 +13,7 @@ from pathlib import Path
 import moto.settings
 import pytest
 import s3fs
+import torch
 from conftest import REPO, last_json, run_ddp
 from synthetic import make_imagenet_loc, plant, write_registry
 from typer.testing import CliRunner
@@ -68,9 +69,17 @@ def aws(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
-    s3fs.S3FileSystem.clear_instance_cache()
+    clear_instance_caches()
     yield monkeypatch
+    clear_instance_caches()
+
+
+def clear_instance_caches() -> None:
+    """s3fs keeps one filesystem (and its credentials) per set of options, per class."""
+    from ddp_cli.data.s3fs_once import S3FileSystemOnce
+
     s3fs.S3FileSystem.clear_instance_cache()
+    S3FileSystemOnce.clear_instance_cache()
 
 
 def invoke(*args: str):
@@ -269,3 +278,149 @@ def test_predict_names_a_missing_s3_input(s3_registry, s3_endpoint, trained_demo
                        None, "val", None)
     with pytest.raises(DataError, match="no such bucket; check the INPUT URLs"):
         predict_inputs(trained.cfg, trained, ["s3://ddp-no-such-bucket/x.jpg"], None, "val", None)
+
+
+def test_pack_to_s3_then_training_from_s3_shards_equals_training_from_local_ones(s3_registry, s3_endpoint,
+                                                                                  tmp_path, aws):
+    """The S3 source packed twice, to a bucket prefix and to a local folder (byte-identical shards); a run
+    from each ends with the same weights, and the S3 run read whole shards into its node-local cache."""
+    aws.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    for to in (f"s3://{BUCKET}/shards", str(tmp_path / "shards")):
+        result = invoke("datasets", "pack", "s3data", "--registry", str(s3_registry), "--to", to,
+                        "--shard-size", "0.05", "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["splits"]["train"]["images"] == 24
+    registry = write_registry(tmp_path, [
+        {"name": "remote", "layout": "shards", "storage": {"driver": "S3", "path": f"s3://{BUCKET}/shards",
+                                                           "endpoint_url": s3_endpoint}},
+        {"name": "local", "layout": "shards",
+         "storage": {"driver": "FileSystem", "path": str(tmp_path / "shards")}}])
+    config = tmp_path / "s3.toml"
+    config.write_text(CONFIG)
+    weights = {}
+    for name in ("remote", "local"):
+        run_dir, cache = tmp_path / f"run-{name}", tmp_path / f"cache-{name}"
+        out = last_json(run_ddp("train", str(config), "--registry", str(registry), "--run-dir", str(run_dir),
+                                "--json", "--set", f"data.dataset={name}", "--set", "data.workers=1",
+                                "--set", "deterministic=true", "--set", f'data.cache_dir="{cache}"',
+                                cwd=REPO, env=ENV, timeout=180))
+        assert out["final"]["images"] == 7
+        weights[name] = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)["model"]
+    shards = sorted(p.name for p in (tmp_path / "shards").glob("*.tar"))
+    assert sorted(p.name for p in (tmp_path / "cache-remote").rglob("*.tar")) == shards  # each one, whole
+    assert not (tmp_path / "cache-local").exists()  # local shards are read in place
+    assert all(torch.equal(weights["remote"][k], v) for k, v in weights["local"].items())
+
+
+@pytest.fixture
+def through(s3_endpoint, tmp_path):
+    """A fault proxy in front of the loopback server, and a registry whose `s3data`/`s3faulty` read
+    through it."""
+    from ddp_cli.bench.faultproxy import FaultProxy, Faults
+
+    def start(**faults):
+        proxy = FaultProxy(s3_endpoint, Faults(**faults)).__enter__()
+        started.append(proxy)
+        entries = [{"name": name, "layout": "imagenet-loc",
+                    "storage": {"driver": "S3", "path": f"s3://{BUCKET}/{prefix}", "endpoint_url": proxy.url}}
+                   for name, prefix in (("s3data", "imagenet"), ("s3faulty", "faulty"))]
+        folder = tmp_path / f"proxy-{len(started)}"
+        folder.mkdir()
+        return proxy, write_registry(folder, entries)
+
+    started: list = []
+    yield start
+    for proxy in started:
+        proxy.__exit__(None, None, None)
+
+
+def test_a_batch_of_s3_objects_is_read_together_and_loads_as_one_by_one(s3_registry, through, aws):
+    """`__getitems__` (what the DataLoader calls) reads a batch's objects concurrently, then makes each
+    item as `__getitem__` does: same pixels, same seeds, the same bad-file handling (skip and error)."""
+    from ddp_cli.config import AugmentConfig, DataConfig
+    from ddp_cli.data.augment import train_transform
+    from ddp_cli.data.layouts import build_index
+    from ddp_cli.data.loaders import EpochItems, ImageDataset
+    from ddp_cli.data.retry import IoPolicy
+
+    proxy, registry = through(latency_ms=30)
+    entry = load_registry(registry).get("s3faulty")
+    fs, root = entry.open()
+    split = build_index(fs, root, entry.layout, on_bad_image="skip").splits["train"]
+    cfg = DataConfig(image_size=16)
+    for policy in ("skip", "error"):
+        def items(policy=policy):
+            transform = train_transform(cfg, AugmentConfig(policy="trivialaugment"))
+            dataset = ImageDataset(fs, root, split, transform, policy, 16, policy=IoPolicy(concurrency=8))
+            return EpochItems(dataset, seed=3)
+        batch = [(i, 1, 0) for i in range(len(split))]
+        one_by_one = [items()[item] for item in batch]
+        peak_before = proxy.counts.peak_in_flight
+        together = items().__getitems__(batch)
+        assert proxy.counts.peak_in_flight >= 2 > peak_before  # one at a time, then several in flight
+        for a, b in zip(together, one_by_one, strict=True):
+            assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+        assert any(item[2] or item[3] for item in together)  # the planted truncated file met either way
+        proxy.counts.peak_in_flight = 0
+
+
+def train_through(registry, tmp_path, name, *extra):
+    config = tmp_path / "s3.toml"
+    config.write_text(CONFIG)
+    return run_ddp("train", str(config), "--registry", str(registry), "--run-dir", str(tmp_path / name),
+                   "--json", "--set", "data.workers=1", "--set", "deterministic=true",
+                   "--set", "train.epochs=2", "--set", "data.io_retry_wait_s=0.01", *extra,
+                   cwd=REPO, env=ENV, timeout=180)
+
+
+def test_transient_s3_failures_are_retried_counted_and_change_nothing(s3_registry, through, tmp_path):
+    """5% of GETs answered 503 SlowDown: the run retries them, says how many, and ends with the weights
+    of a run that met none."""
+    proxy, registry = through(fail_rate=0.05, seed=1)
+    flaky = last_json(train_through(registry, tmp_path, "flaky"))
+    clean = last_json(train_through(s3_registry, tmp_path, "clean"))
+    assert proxy.counts.refused > 0 and flaky["io_retries"] > 0 and clean["io_retries"] == 0
+    assert flaky["final"] == clean["final"]
+    a, b = (torch.load(tmp_path / run / "checkpoints/last.pt", weights_only=True)["model"]
+            for run in ("flaky", "clean"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    epochs = [json.loads(line) for line in (tmp_path / "flaky" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["io_retries"] for r in epochs if r.get("split") == "val") == flaky["io_retries"]
+
+
+def test_an_object_that_keeps_failing_ends_the_run_naming_it(s3_registry, through, tmp_path):
+    key = "imagenet/ILSVRC/Data/CLS-LOC/train/n00001001/n00001001_3.JPEG"
+    proxy, registry = through(fail_paths=(key,))
+    result = train_through(registry, tmp_path, "failing", "--set", "data.io_retries=2")
+    assert result.returncode == 3, result.stderr[-2000:]
+    line = next(x for x in result.stderr.splitlines() if x.startswith("error:"))
+    assert f"{BUCKET}/{key}: the storage failed 3 times in a row" in line and "data.io_retries" in line
+    assert proxy.counts.refused >= 3
+
+
+def test_bench_data_rates_each_storage_and_reads_s3_through_the_latency_proxy(s3_registry, aws, tmp_path):
+    """Local files, their shards, and the same files on S3 (serial and batched rows) behind the proxy:
+    every row measured, each ratio its rate over the first row's."""
+    local = tmp_path / "local"
+    make_imagenet_loc(local, classes=3, train_per_class=8, val=7)
+    registry = load_registry(s3_registry)
+    entries = [e.model_dump(mode="json", exclude_none=True) for e in registry.datasets if e.name == "s3data"]
+    entries += [{"name": "files", "layout": "imagenet-loc",
+                 "storage": {"driver": "FileSystem", "path": str(local)}},
+                {"name": "packed", "layout": "shards",
+                 "storage": {"driver": "FileSystem", "path": f"{local}-shards"}}]
+    path = write_registry(tmp_path, entries)
+    assert invoke("datasets", "pack", "files", "--registry", str(path), "--to", f"{local}-shards",
+                  "--shard-size", "0.05").exit_code == 0
+    result = invoke("bench", "data", "files", "packed", "s3data", "--registry", str(path),
+                    "--latency-ms", "5", "--workers", "0", "--seconds", "3", "--batch-size", "4",
+                    "--image-size", "16", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [(r["dataset"], r["storage"]) for r in out["rows"]] == [
+        ("files", "local files"), ("packed", "local shards"), ("s3data", "s3 files serial"),
+        ("s3data", "s3 files batched")]
+    first = out["rows"][0]["images"] / out["rows"][0]["seconds"]
+    for row in out["rows"]:
+        assert row["images"] > 0 and abs(row["ratio"] - row["images"] / row["seconds"] / first) < 1e-9
+    assert out["proxied_requests"] >= out["rows"][2]["images"]  # one GET per image at least, through it

@@ -6,6 +6,7 @@ import pytest
 
 from ddp_cli.config import DataConfig, config_from_dict
 from ddp_cli.data.autotune import choose_loaders, choose_prefetch, choose_workers
+from ddp_cli.data.packed import Split
 from ddp_cli.errors import ConfigError
 from ddp_cli.observe.startup import STARTUP_ENV, StartupClock
 
@@ -32,7 +33,8 @@ def test_prefetch_keeps_four_batches_queued_per_rank():
 
 
 def test_numbers_as_set_are_kept_and_auto_is_accepted_where_ints_were():
-    choice = choose_loaders(DataConfig(workers=3, prefetch_factor="auto"), "cpu", 1, None, "", [], None)
+    none = Split.of([], [])
+    choice = choose_loaders(DataConfig(workers=3, prefetch_factor="auto"), "cpu", 1, None, "", none, None)
     assert (choice.workers, choice.prefetch_factor, choice.decode_ms) == (3, 2, None)
     assert DataConfig(workers="auto").workers == "auto"
     with pytest.raises(ConfigError, match="data.workers"):

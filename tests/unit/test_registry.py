@@ -144,7 +144,8 @@ BAD_REGISTRIES = {
         r"datasets\[0\] \('d'\): storage\.driver: unknown driver 'GCS'; known: FileSystem, S3$"),
     "layout": (
         [entry("l", layout="coco")],
-        r"datasets\[0\] \('l'\): layout: unknown layout 'coco'; known: auto, imagenet-loc, imagefolder$"),
+        r"datasets\[0\] \('l'\): layout: unknown layout 'coco'; known: auto, imagenet-loc, imagefolder, "
+        r"shards$"),
     "uuid": (
         [entry("u", uuid="not-a-uuid")], r"\('u'\): uuid: "),
     "s3-path": (
@@ -211,7 +212,8 @@ def test_auto_layout_of_an_unrecognised_root_is_a_data_error_naming_it(isolated)
     (isolated / "root" / "images").mkdir(parents=True)
     dataset = load_registry(write_julia_registry(isolated, {"d": isolated / "root"})).get("d")
     with pytest.raises(DataError, match=r"root: cannot tell its layout: neither LOC_synset_mapping\.txt "
-                                        r"\(imagenet-loc\) nor train/ and val/ folders") as info:
+                                        r"\(imagenet-loc\), train/ and val/ folders \(imagefolder\) nor "
+                                        r"index\.json \(shards\)") as info:
         dataset.open()
     assert str(isolated / "root") in str(info.value) and info.value.exit_code == 3
 

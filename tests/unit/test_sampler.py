@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset
 
 from ddp_cli.data.loaders import EpochItems
-from ddp_cli.data.sampler import ShardSampler
+from ddp_cli.data.sampler import ShardSampler, shard_order
 
 
 def samplers(n: int, world: int, shuffle: bool = True, batch: int = 1, repeats: int = 1,
@@ -184,3 +185,55 @@ def test_copies_of_an_image_are_augmented_differently_and_reproducibly():
     assert torch.equal(first, again)
     assert not torch.equal(first, second)
     assert not torch.equal(second, items[(3, 2, 2)])
+
+
+# Packed shards: 7 shards of uneven sizes (41 rows), read 3 at a time.
+STARTS = np.array([0, 5, 11, 12, 20, 29, 33, 41])
+
+
+def shard_samplers(world: int, batch: int, seed: int = 0) -> list[ShardSampler]:
+    return [ShardSampler(41, rank, world, shuffle=True, seed=seed, batch_size=batch, shards=STARTS, window=3)
+            for rank in range(world)]
+
+
+def test_shard_order_reads_a_window_of_whole_shards_at_a_time_in_a_fresh_order_each_epoch():
+    orders = {}
+    for epoch in (0, 1):
+        order = shard_order(STARTS, seed=0, epoch=epoch, window=3).tolist()
+        assert sorted(order) == list(range(41))  # a permutation of every row
+        shard_of = np.searchsorted(STARTS, order, side="right") - 1
+        sizes = np.diff(STARTS)
+        windows, seen, length = [], set(), 0
+        for shard in shard_of:  # cut the order where the shards seen are whole: each cut is a window
+            seen.add(int(shard))
+            length += 1
+            assert len(seen) <= 3, "a window mixes rows of more than 3 shards"
+            if length == sum(sizes[j] for j in seen):
+                windows.append(sorted(seen))
+                seen, length = set(), 0
+        assert not seen and [len(w) for w in windows] == [3, 3, 1]
+        assert sorted(s for w in windows for s in w) == list(range(7))
+        orders[epoch] = order
+    assert orders[0] != orders[1]
+    assert shard_order(STARTS, seed=0, epoch=0, window=3).tolist() == orders[0]  # (seed, epoch) alone
+
+
+def test_ranks_on_shards_see_the_batches_one_process_with_the_global_batch_sees():
+    """The order depends on (seed, epoch) only: dealt in blocks, step s's k batches are the single
+    process's batch s, position by position, and a resumed epoch goes on where it stopped."""
+    (single,) = shard_samplers(1, 12)
+    single.set_epoch(2)
+    whole = list(single)
+    ranks = shard_samplers(3, 4)
+    for sampler in ranks:
+        sampler.set_epoch(2)
+    dealt = [list(s) for s in ranks]
+    steps = len(dealt[0]) // 4
+    assert steps == 41 // 12 and all(len(d) == steps * 4 for d in dealt)
+    for step in range(steps):
+        together = [i for d in dealt for i in d[step * 4:(step + 1) * 4]]
+        assert together == whole[step * 12:(step + 1) * 12]
+    for sampler in ranks:
+        sampler.set_epoch(2, skip=12)  # one global batch done before a stop
+    resumed = [list(s) for s in ranks]
+    assert [d[4:] for d in dealt] == resumed

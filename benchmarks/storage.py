@@ -1,0 +1,94 @@
+"""The storage benchmark of BENCHMARKS.md ("Storage"): the same images as local files, local shards,
+shards packed at 256 px, S3 files and S3 shards (a loopback moto server), read by the training pipeline.
+
+    python benchmarks/storage.py /tmp/storage-bench --latency-ms 50 --workers 2 --seconds 60
+
+It writes the images (benchmarks/make_jpegs.py: 300-500 px, photo-like), packs them with
+`ddp datasets pack` (locally, to S3, and at --max-side 256), starts moto's server, uploads the files,
+writes a data.toml with the five entries and runs `ddp bench data ... --latency-ms MS --json`, then
+prints the three ratios issue 12 asks for. Needs the test group (moto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import s3fs
+import tomli_w
+from moto.server import ThreadedMotoServer
+
+BUCKET = "ddp-bench"
+ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+       "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def ddp(*args: str, env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-m", "ddp_cli", *args, "--json"], env=env, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--latency-ms", type=float, default=50)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--per-class", type=int, default=120)
+    args = parser.parse_args()
+    root = args.root.resolve()
+    files = root / "jpegs"
+    if not files.exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("make_jpegs.py")), str(files),
+                        "--classes", "10", "--per-class", str(args.per_class), "--val", "20"], check=True)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {**os.environ, **ENV, "AWS_ENDPOINT_URL": endpoint}
+    os.environ.update(ENV)
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
+    fs.mkdir(BUCKET)
+    fs.put(f"{files}/", f"{BUCKET}/jpegs/", recursive=True)
+
+    def entry(name: str, path: str, layout: str, s3: bool = False) -> dict:
+        storage = ({"driver": "S3", "path": path, "endpoint_url": endpoint} if s3
+                   else {"driver": "FileSystem", "path": path})
+        return {"name": name, "layout": layout, "storage": storage}
+
+    entries = [entry("files", str(files), "imagenet-loc"),
+               entry("shards", str(root / "shards"), "shards"),
+               entry("shards_256", str(root / "shards-256"), "shards"),
+               entry("s3_files", f"s3://{BUCKET}/jpegs", "imagenet-loc", s3=True),
+               entry("s3_shards", f"s3://{BUCKET}/shards", "shards", s3=True)]
+    registry = root / "data.toml"
+    registry.write_text(tomli_w.dumps({"data_config_version": 1, "datasets": entries[:1]}))
+    for to, extra in ((str(root / "shards"), []), (str(root / "shards-256"), ["--max-side", "256"]),
+                      (f"s3://{BUCKET}/shards", [])):
+        if not to.startswith("s3://") and Path(to, "index.json").exists():
+            continue
+        ddp("datasets", "pack", "files", "--registry", str(registry), "--to", to, "--split", "train",
+            "--shard-size", "8", *extra, env=env)
+    registry.write_text(tomli_w.dumps({"data_config_version": 1, "datasets": entries}))
+    result = ddp("bench", "data", *(e["name"] for e in entries), "--registry", str(registry),
+                 "--latency-ms", str(args.latency_ms), "--workers", str(args.workers),
+                 "--seconds", str(args.seconds), env=env)
+    server.stop()
+    rate = {row["storage"] + ("@256" if row["dataset"] == "shards_256" else ""): row["images_per_second"]
+            for row in result["rows"]}
+    print(json.dumps(result, indent=1))
+    print(f"S3 shards @ {args.latency_ms:g} ms / local files: {rate['s3 shards'] / rate['local files']:.2f} "
+          "(target >= 0.9)")
+    print(f"S3 files batched / serial @ {args.latency_ms:g} ms: "
+          f"{rate['s3 files batched'] / rate['s3 files serial']:.2f} (target >= 5)")
+    print("local shards @ 256 px / local files (full size): "
+          f"{rate['local shards@256'] / rate['local files']:.2f} (target >= 1.5)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""`ddp bench data NAME NAME... [--latency-ms MS]`: the training input pipeline over several storages.
+
+Each registry entry is one storage of (usually) the same images: local files,
+local shards, S3 files, S3 shards. An S3 entry with files gives two rows: one
+GET per image (`io_concurrency` 1, serial) and a batch's GETs together
+(`io_concurrency` as configured). Every row runs ddp's own training path
+(EpochItems, the training sampler: for shards its shard order and window,
+DataLoader processes, normalisation in the consumer), in alternating rounds,
+each rate the total images over the total timed seconds; the ratios are each
+row over the first row, measured in the same run.
+
+`--latency-ms` puts the fault proxy (`faultproxy.py`) in front of each S3
+endpoint, adding a first-byte latency to every request, so that loopback
+behaves like a region. The cache must not turn a storage bench into a disk
+bench: remote shards go to a fresh cache folder every round, which keeps
+`2 * shuffle_shards + 4` shards, and the bench's window is 2 shards, so a data
+set of more shards than that is streamed, not cached; the per-file cache is
+off.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from ddp_cli.bench.data import ROUNDS, machine
+from ddp_cli.bench.faultproxy import FaultProxy, Faults
+from ddp_cli.config import AugmentConfig, DataConfig
+from ddp_cli.data.augment import train_transform
+from ddp_cli.data.layouts import build_index
+from ddp_cli.data.loaders import EpochItems, ImageDataset
+from ddp_cli.data.packed import Split
+from ddp_cli.data.retry import IoPolicy
+from ddp_cli.data.sampler import ShardSampler
+from ddp_cli.data.transforms import to_model_input
+from ddp_cli.errors import ConfigError
+from ddp_cli.registry import DatasetEntry, load_registry
+
+WINDOW = 2  # shards read at a time: a small window, so that a small bench set is streamed
+
+
+class Epochs(Sampler):
+    """The training sampler's epochs, one after another, forever (rank 0 of 1)."""
+
+    def __init__(self, split: Split, batch_size: int) -> None:
+        self.sampler = ShardSampler(len(split), 0, 1, shuffle=True, batch_size=batch_size, with_epoch=True,
+                                    shards=split.starts, window=WINDOW)
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        epoch = 0
+        while True:
+            self.sampler.set_epoch(epoch)
+            yield from self.sampler
+            epoch += 1
+
+
+@dataclass
+class Row:
+    dataset: str
+    storage: str
+    entry: DatasetEntry
+    split: Split
+    concurrency: int
+    images: int = 0
+    seconds: float = 0.0
+
+
+def bench_storage(names: list[str], registry: str | None, latency_ms: float, workers: int, seconds: float,
+                  batch_size: int, image_size: int) -> dict:
+    """Rates of the training pipeline over each named data set's storage; ratios to the first."""
+    with ExitStack() as stack:
+        rows, proxies = [], []
+        for name in names:
+            entry = load_registry(registry).get(name)
+            remote = entry.storage.driver == "S3"
+            if remote and latency_ms:
+                endpoint = entry.storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+                if not endpoint:
+                    raise ConfigError(f"--latency-ms: data set {name!r} has no storage.endpoint_url (nor is "
+                                      "AWS_ENDPOINT_URL set): the proxy needs an endpoint to stand before")
+                proxy = stack.enter_context(FaultProxy(endpoint, Faults(latency_ms=latency_ms)))
+                proxies.append(proxy)
+                entry = entry.model_copy(deep=True)
+                entry.storage.endpoint_url = proxy.url
+            fs, root = entry.open()
+            split = build_index(fs, root, entry.layout, splits=("train",)).splits["train"]
+            if len(split) < batch_size:
+                raise ConfigError(f"bench data: {name!r} has {len(split)} train images, fewer than "
+                                  f"--batch-size {batch_size}")
+            where = ("s3" if remote else "local") + (" shards" if split.sharded else " files")
+            if remote and not split.sharded:
+                rows += [Row(name, f"{where} serial", entry, split, 1),
+                         Row(name, f"{where} batched", entry, split, DataConfig().io_concurrency)]
+            else:
+                rows.append(Row(name, where, entry, split, DataConfig().io_concurrency))
+        for _ in range(ROUNDS):
+            for row in rows:
+                images, elapsed = measure(row, workers, batch_size, image_size, seconds / ROUNDS / len(rows))
+                row.images += images
+                row.seconds += elapsed
+    first = rows[0].images / rows[0].seconds
+    return {
+        "bench": "data-storage",
+        "datasets": names,
+        "latency_ms": latency_ms,
+        "workers": workers,
+        "batch_size": batch_size,
+        "image_size": image_size,
+        "seconds": seconds,
+        "machine": machine(),
+        "rows": [{"dataset": r.dataset, "storage": r.storage, "images": r.images, "seconds": r.seconds,
+                  "images_per_second": r.images / r.seconds, "ratio": r.images / r.seconds / first}
+                 for r in rows],
+        "ratios": {f"{r.dataset}: {r.storage}": r.images / r.seconds / first for r in rows},
+        "proxied_requests": sum(p.counts.requests for p in proxies),  # what went through --latency-ms
+    }
+
+
+def measure(row: Row, workers: int, batch_size: int, image_size: int, seconds: float) -> tuple[int, float]:
+    """Images consumed and seconds taken by fresh loader processes (and a fresh shard cache)."""
+    cache = tempfile.mkdtemp(prefix="ddp-bench-shards-")
+    try:
+        fs, root = row.entry.open()
+        transform = train_transform(DataConfig(image_size=image_size), AugmentConfig())
+        dataset = ImageDataset(fs, root, row.split, transform, "skip", image_size,
+                               cache if row.split.sharded else None,  # no per-file cache: every GET counts
+                               2 * WINDOW + 4, IoPolicy(concurrency=row.concurrency), WINDOW)
+        loader = DataLoader(EpochItems(dataset, seed=0), batch_size=batch_size,
+                            sampler=Epochs(row.split, batch_size), num_workers=workers,
+                            prefetch_factor=DataConfig().prefetch_factor if workers else None)
+        cpu = torch.device("cpu")
+        batches = iter(loader)
+        for _ in range(max(2, 2 * workers)):  # start-up, and the batches queued meanwhile
+            next(batches)
+        images, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            images += len(to_model_input(next(batches)[0], cpu, channels_last=False))
+        elapsed = time.perf_counter() - started
+        del batches
+        return images, elapsed
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
