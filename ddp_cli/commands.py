@@ -258,14 +258,14 @@ def datasets_check(name: str, registry: str | None, split: str, workers: int | N
 def datasets_pack(name: str, to: str, registry: str | None, split: str, opts: PackOptions, workers: int,
                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """`pack` the registry entry `name` into `to` (`split`: train, val or all)."""
-    from ddp_cli.data.pack import Source, pack
+    from ddp_cli.data.pack import Source, pack, pack_index
 
     splits = ("train", "val") if split == "all" else (split,)
     entry = load_registry(registry).get(name)
     fs, root = entry.open()
     if entry.layout == SHARDS:
         raise ConfigError(f"data set {name!r} is packed already (layout shards); pack its source instead")
-    index = build_index(fs, root, entry.layout, splits=splits, on_bad_image=opts.on_bad_image)
+    index = pack_index(fs, root, entry.layout, splits, opts.on_bad_image)
     source = Source(fs, root, entry.name, entry.layout, entry.storage.path)
     return pack(source, index, to, replace(opts, splits=splits), workers, progress)
 

@@ -190,7 +190,7 @@ def cache_folder(fs: fsspec.AbstractFileSystem, root: str, cache_dir: str | Path
         return None
     endpoint = (fs.storage_options.get("client_kwargs") or {}).get("endpoint_url")
     host = urlparse(endpoint).netloc.replace(":", "_") if endpoint else _protocol(fs)
-    return Path(os.path.expandvars(os.path.expanduser(str(cache_dir)))) / host / root
+    return Path(os.path.expandvars(os.path.expanduser(str(cache_dir)))) / host / root.lstrip("/")
 
 
 def _protocol(fs: fsspec.AbstractFileSystem) -> str:

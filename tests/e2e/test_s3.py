@@ -369,13 +369,13 @@ def train_through(registry, tmp_path, name, *extra):
     config.write_text(CONFIG)
     return run_ddp("train", str(config), "--registry", str(registry), "--run-dir", str(tmp_path / name),
                    "--json", "--set", "data.workers=1", "--set", "deterministic=true",
-                   "--set", "train.epochs=2", "--set", "data.io_retry_wait_s=0.01", *extra,
+                   "--set", "data.io_retry_wait_s=0.01", *extra,
                    cwd=REPO, env=ENV, timeout=180)
 
 
 def test_transient_s3_failures_are_retried_counted_and_change_nothing(s3_registry, through, tmp_path):
-    """5% of GETs answered 503 SlowDown: the run retries them, says how many, and ends with the weights
-    of a run that met none."""
+    """5% of GETs answered 503 SlowDown (seed 1 refuses the 10th, 14th, 20th, ... GET: a one-epoch run
+    makes ~40): the run retries them, says how many, and ends with the weights of a run that met none."""
     proxy, registry = through(fail_rate=0.05, seed=1)
     flaky = last_json(train_through(registry, tmp_path, "flaky"))
     clean = last_json(train_through(s3_registry, tmp_path, "clean"))

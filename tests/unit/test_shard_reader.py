@@ -1,0 +1,107 @@
+"""Reading images out of packed shards: exact bytes, a bounded node cache for remote shards, one
+download per shard, bad members handled as bad files."""
+
+from __future__ import annotations
+
+import threading
+
+import fsspec
+import pytest
+import torch
+from synthetic import make_imagenet_loc, write_registry
+
+from ddp_cli.data.layouts import build_index
+from ddp_cli.data.loaders import ImageDataset
+from ddp_cli.data.pack import PackOptions, Source, pack
+from ddp_cli.data.shard_reader import ShardReader
+from ddp_cli.data.transforms import ValTransform
+from ddp_cli.registry import load_registry
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """3 classes x 8 train images packed into ~8 small shards (local)."""
+    folder = tmp_path_factory.mktemp("shards")
+    make_imagenet_loc(folder / "src", classes=3, train_per_class=8, val=7)
+    entry = load_registry(write_registry(folder, [{"name": "s", "layout": "imagenet-loc", "storage": {
+        "driver": "FileSystem", "path": str(folder / "src")}}])).get("s")
+    fs, root = entry.open()
+    opts = PackOptions(splits=("train",), shard_mib=0.01)
+    pack(Source(fs, root, "s", entry.layout, root), build_index(fs, root, entry.layout, splits=("train",)),
+         str(folder / "out"), opts, 1)
+    return folder / "out"
+
+
+def remote_copy(packed) -> tuple[fsspec.AbstractFileSystem, str, list]:
+    """The shards in fsspec's in-memory filesystem (a remote one: not local), counting downloads."""
+    memory = fsspec.filesystem("memory", skip_instance_cache=True)
+    for path in packed.iterdir():
+        memory.pipe_file(f"/remote/{path.name}", path.read_bytes())
+    downloads: list[str] = []
+    real = memory.get_file
+
+    def counted(remote, local, **kw):
+        downloads.append(remote)
+        return real(remote, local, **kw)
+
+    memory.get_file = counted
+    return memory, "/remote", downloads
+
+
+def test_each_image_is_the_exact_member_bytes_locally_and_from_a_remote_copy(packed, tmp_path):
+    local_fs = fsspec.filesystem("file")
+    split = build_index(local_fs, str(packed), "shards", splits=("train",)).splits["train"]
+    memory, root, _ = remote_copy(packed)
+    local, remote = ShardReader(local_fs, str(packed)), ShardReader(memory, root, tmp_path / "cache")
+    for row in range(len(split)):
+        shard = split.paths[row].split("/")[0]
+        offset, size = split.members[row]
+        expected = (packed / shard).read_bytes()[offset:offset + size]
+        assert local.read(split.paths[row], split.members[row]) == expected
+        assert remote.read(split.paths[row], split.members[row]) == expected
+
+
+def test_the_remote_cache_keeps_a_bounded_number_of_whole_shards(packed, tmp_path):
+    memory, root, downloads = remote_copy(packed)
+    split = build_index(memory, root, "shards", splits=("train",)).splits["train"]
+    shards = sorted({p.split("/")[0] for p in split.paths})
+    assert len(shards) >= 5
+    reader = ShardReader(memory, root, tmp_path / "cache", keep=2)
+    for row in range(len(split)):
+        reader.read(split.paths[row], split.members[row])
+        assert len(list((tmp_path / "cache").rglob("*.tar"))) <= 2
+    assert sorted(d.rsplit("/", 1)[-1] for d in downloads) == shards  # rows grouped by shard: once each
+
+
+def test_readers_on_one_node_wait_for_one_download_of_a_shard(packed, tmp_path):
+    memory, root, downloads = remote_copy(packed)
+    split = build_index(memory, root, "shards", splits=("train",)).splits["train"]
+    readers = [ShardReader(memory, root, tmp_path / "cache") for _ in range(4)]
+    out: list[bytes] = []
+    threads = [threading.Thread(target=lambda r=r: out.append(r.read(split.paths[0], split.members[0])))
+               for r in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(out) == 4 and len(set(out)) == 1 and len(downloads) == 1
+
+
+def test_a_bad_member_is_a_bad_image_skipped_or_named(packed, tmp_path):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for path in packed.iterdir():
+        (damaged / path.name).write_bytes(path.read_bytes())
+    fs = fsspec.filesystem("file")
+    split = build_index(fs, str(damaged), "shards", splits=("train",)).splits["train"]
+    shard, (offset, size) = split.paths[0].split("/")[0], split.members[0]
+    data = bytearray((damaged / shard).read_bytes())
+    data[offset:offset + size] = b"x" * size  # not an image any more; the tar is still whole
+    (damaged / shard).write_bytes(bytes(data))
+    skip = ImageDataset(fs, str(damaged), split, ValTransform(16, 16), "skip", 16)
+    image, _, skipped, error = skip[0]
+    assert skipped == f"{damaged}/{split.paths[0]}" and not error and image.shape == (16, 16, 3)
+    stop = ImageDataset(fs, str(damaged), split, ValTransform(16, 16), "error", 16)
+    _, _, _, error = stop[0]
+    assert error.startswith(f"bad image {damaged}/{split.paths[0]}: not an image")
+    assert torch.equal(stop[1][0], skip[1][0])  # the other images read as ever
