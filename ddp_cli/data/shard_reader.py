@@ -28,7 +28,15 @@ from typing import BinaryIO
 import fsspec
 
 from ddp_cli.data.retry import IoPolicy, with_retries
-from ddp_cli.data.storage import UNSAFE_PATH, UnsafePath, _is_local, cache_folder, escapes, storage_error
+from ddp_cli.data.storage import (
+    UNSAFE_PATH,
+    UnsafePath,
+    _is_local,
+    cache_folder,
+    escapes,
+    filesystem_after_fork,
+    storage_error,
+)
 from ddp_cli.errors import DataError
 
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "ddp-shards"
@@ -50,8 +58,7 @@ class ShardReader:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         if self._pid != os.getpid():  # a forked loader process: its own filesystem and files
-            self._fs = type(self._fs)(*self._fs.storage_args, **self._fs.storage_options)
-            self._open, self._pid = OrderedDict(), os.getpid()
+            self._fs, self._open, self._pid = filesystem_after_fork(self._fs), OrderedDict(), os.getpid()
         return self._fs
 
     def prefetch(self, paths: list[str]) -> None:

@@ -113,6 +113,12 @@ def s3_filesystem(storage, fix: str = "fix storage.path in the registry"
     return fs, root
 
 
+def filesystem_after_fork(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """A forked process's own copy of `fs` (async filesystems refuse to run in a forked child; the
+    inherited one is left to the parent: `s3fs_once.S3FileSystemOnce.close_session`)."""
+    return type(fs)(*fs.storage_args, **fs.storage_options)
+
+
 class FileReader:
     """Reads files under a data set root: fork-safe, optionally through a local cache of remote files;
     remote reads retried on transient errors (`policy`)."""
@@ -129,8 +135,7 @@ class FileReader:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         if self._pid != os.getpid():  # a forked DataLoader worker: a filesystem of its own
-            self._fs = type(self._fs)(*self._fs.storage_args, **self._fs.storage_options)
-            self._pid = os.getpid()
+            self._fs, self._pid = filesystem_after_fork(self._fs), os.getpid()
         return self._fs
 
     def prefetch(self, paths: list[str]) -> None:
