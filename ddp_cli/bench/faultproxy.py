@@ -14,8 +14,11 @@ how the tests see that a batch's objects are fetched together.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import random
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -135,3 +138,48 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay
 
     return Handler
+
+
+class ProxyProcess:
+    """A FaultProxy in a process of its own (`python -m ddp_cli.bench.faultproxy`): the bench's proxy
+    must not take the GIL of the process it measures. `requests` is its count, read when it stops."""
+
+    def __init__(self, upstream: str, faults: Faults = Faults()) -> None:
+        self.args = [sys.executable, "-m", "ddp_cli.bench.faultproxy", upstream,
+                     "--latency-ms", str(faults.latency_ms), "--fail-rate", str(faults.fail_rate),
+                     "--seed", str(faults.seed)]
+        self.url, self.requests = "", 0
+
+    def __enter__(self) -> ProxyProcess:
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http://"):
+            self.proc.kill()
+            raise RuntimeError(f"the fault proxy did not start (it said {self.url!r})")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            out, _ = self.proc.communicate(input="", timeout=30)  # stdin closed: report and stop
+            self.requests = int(out.split()[0]) if out.strip() else 0
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main() -> None:
+    """Serve until stdin closes: the URL on the first stdout line, the request count on the last."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("upstream")
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--fail-rate", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    with FaultProxy(args.upstream, Faults(args.latency_ms, args.fail_rate, seed=args.seed)) as proxy:
+        print(proxy.url, flush=True)
+        sys.stdin.read()
+    print(proxy.counts.requests, flush=True)
+
+
+if __name__ == "__main__":
+    main()

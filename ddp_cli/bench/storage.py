@@ -11,11 +11,13 @@ row over the first row, measured in the same run.
 
 `--latency-ms` puts the fault proxy (`faultproxy.py`) in front of each S3
 endpoint, adding a first-byte latency to every request, so that loopback
-behaves like a region. The cache must not turn a storage bench into a disk
-bench: remote shards go to a fresh cache folder every round, which keeps
-`2 * shuffle_shards + 4` shards, and the bench's window is 2 shards, so a data
-set of more shards than that is streamed, not cached; the per-file cache is
-off.
+behaves like a region. It runs in a process of its own: in the measured
+process its copying would take the GIL from the pipeline it measures.
+
+The cache must not turn a storage bench into a disk bench: remote shards go
+to a fresh cache folder every round, which keeps `2 * shuffle_shards + 4`
+shards, and the bench's window is 2 shards, so a data set of more shards than
+that is streamed, not cached; the per-file cache is off.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ddp_cli.bench.data import ROUNDS, machine
-from ddp_cli.bench.faultproxy import FaultProxy, Faults
+from ddp_cli.bench.faultproxy import Faults, ProxyProcess
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.augment import train_transform
 from ddp_cli.data.layouts import build_index
@@ -86,7 +88,7 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
                 if not endpoint:
                     raise ConfigError(f"--latency-ms: data set {name!r} has no storage.endpoint_url (nor is "
                                       "AWS_ENDPOINT_URL set): the proxy needs an endpoint to stand before")
-                proxy = stack.enter_context(FaultProxy(endpoint, Faults(latency_ms=latency_ms)))
+                proxy = stack.enter_context(ProxyProcess(endpoint, Faults(latency_ms=latency_ms)))
                 proxies.append(proxy)
                 entry = entry.model_copy(deep=True)
                 entry.storage.endpoint_url = proxy.url
@@ -120,7 +122,7 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
                   "images_per_second": r.images / r.seconds, "ratio": r.images / r.seconds / first}
                  for r in rows],
         "ratios": {f"{r.dataset}: {r.storage}": r.images / r.seconds / first for r in rows},
-        "proxied_requests": sum(p.counts.requests for p in proxies),  # what went through --latency-ms
+        "proxied_requests": sum(p.requests for p in proxies),  # what went through --latency-ms
     }
 
 
