@@ -197,7 +197,7 @@ def shard_samplers(world: int, batch: int, seed: int = 0) -> list[ShardSampler]:
 
 
 def test_shard_order_reads_a_window_of_whole_shards_at_a_time_in_a_fresh_order_each_epoch():
-    orders = {}
+    orders, groups = {}, {}
     for epoch in (0, 1):
         order = shard_order(STARTS, seed=0, epoch=epoch, window=3).tolist()
         assert sorted(order) == list(range(41))  # a permutation of every row
@@ -213,8 +213,8 @@ def test_shard_order_reads_a_window_of_whole_shards_at_a_time_in_a_fresh_order_e
                 seen, length = set(), 0
         assert not seen and [len(w) for w in windows] == [3, 3, 1]
         assert sorted(s for w in windows for s in w) == list(range(7))
-        orders[epoch] = order
-    assert orders[0] != orders[1]
+        orders[epoch], groups[epoch] = order, windows
+    assert orders[0] != orders[1] and groups[0] != groups[1]  # the shards too come in a fresh order
     assert shard_order(STARTS, seed=0, epoch=0, window=3).tolist() == orders[0]  # (seed, epoch) alone
 
 
