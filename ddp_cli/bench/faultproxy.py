@@ -5,10 +5,12 @@ the cost of one round trip per image nor the retry path would ever show. The
 proxy adds a first-byte latency to every answer (`latency_ms`: what a region is
 from a node), answers a fraction of the GET requests 503 SlowDown instead of
 forwarding them (`fail_rate`, drawn from a seeded generator: the same requests
-fail on every run that makes them in the same order), and refuses every request
-whose path contains `fail_paths` (an object that keeps failing). It records
-how many requests it saw, refused and held at once (`peak_in_flight`), which is
-how the tests see that a batch's objects are fetched together.
+fail on every run that makes them in the same order; `drop_share` of those
+failures drop the connection instead, a reset with no answer), and refuses every
+request whose path contains one of `fail_paths` (an object that keeps failing).
+It records how many requests it saw, refused, dropped and held at once
+(`peak_in_flight`), which is how the tests see that a batch's objects are
+fetched together.
 `ddp bench data --latency-ms` reads S3 through it; the tests start it too.
 """
 
@@ -17,32 +19,41 @@ from __future__ import annotations
 import argparse
 import http.client
 import random
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from urllib.parse import urlparse
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
+             b"<Message>Please reduce your request rate.</Message><RequestId>fault-proxy</RequestId></Error>")
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade", "expect", "te"}
 
 
 @dataclass
 class Faults:
     latency_ms: float = 0.0
     fail_rate: float = 0.0  # of the GET requests (object reads and listings: the data path)
-    fail_paths: tuple[str, ...] = ()  # requests whose path has one of these: always refused
+    drop_share: float = 0.0  # of those failures: the connection reset instead of a 503 SlowDown
+    fail_paths: tuple[str, ...] = ()  # requests whose path has one of these: always refused (503)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fail_paths, str):  # one substring, not its characters
+            self.fail_paths = (self.fail_paths,)
 
 
 @dataclass
 class Counts:
     requests: int = 0
-    refused: int = 0
+    refused: int = 0  # answered 503 or dropped
+    dropped: int = 0
     in_flight: int = 0
     peak_in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -56,9 +67,9 @@ class FaultProxy:
         self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
         self.faults, self.counts = faults, Counts()
         self.random = random.Random(faults.seed)
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, name="fault-proxy", daemon=True)
+        self.server = _Server(("127.0.0.1", 0), _handler(self))
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="fault-proxy",
+                                       daemon=True)  # polled for `shutdown` every 50 ms
 
     @property
     def url(self) -> str:
@@ -75,14 +86,28 @@ class FaultProxy:
         self.server.server_close()
         self.thread.join(timeout=10)
 
-    def refuses(self, method: str, path: str) -> bool:
-        """Whether this request is answered 503 instead of forwarded (and counted)."""
+    def fault(self, method: str, path: str) -> str | None:
+        """What this request meets instead of being forwarded: "503", "drop" or None (counted)."""
         with self.counts.lock:
             self.counts.requests += 1
-            refused = (any(p in path for p in self.faults.fail_paths)
-                       or (method == "GET" and self.random.random() < self.faults.fail_rate))
-            self.counts.refused += refused
-            return refused
+            if any(p in path for p in self.faults.fail_paths):
+                fault = "503"
+            elif method == "GET" and self.random.random() < self.faults.fail_rate:
+                fault = "drop" if self.random.random() < self.faults.drop_share else "503"
+            else:
+                return None
+            self.counts.refused += 1
+            self.counts.dropped += fault == "drop"
+            return fault
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):  # a client that gave up (its timeout): no news
+            return
+        super().handle_error(request, client_address)
 
 
 def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
@@ -98,17 +123,40 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 counts.in_flight += 1
                 counts.peak_in_flight = max(counts.peak_in_flight, counts.in_flight)
             try:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = self.body()
                 if proxy.faults.latency_ms:
                     time.sleep(proxy.faults.latency_ms / 1000)
-                if proxy.refuses(self.command, self.path):
-                    self.answer(503, [("Content-Type", "application/xml")], SLOW_DOWN)
+                fault = proxy.fault(self.command, self.path)
+                if fault == "drop":
+                    self.drop()
+                    return
+                if fault:
+                    self.answer(503, [("Server", "fault-proxy"), ("Date", formatdate(usegmt=True)),
+                                      ("Content-Type", "application/xml")], SLOW_DOWN)
                     return
                 status, headers, data = self.forward(body)
                 self.answer(status, headers, data)
             finally:
                 with counts.lock:
                     counts.in_flight -= 1
+
+        def body(self) -> bytes:
+            """The request's body, sent with a length or in chunks."""
+            if "chunked" not in self.headers.get("Transfer-Encoding", "").lower():
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            chunks = []
+            while size := int(self.rfile.readline().split(b";")[0], 16):
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                pass
+            return b"".join(chunks)
+
+        def drop(self) -> None:
+            """Reset the connection, answering nothing (what a client sees when a node goes away)."""
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()
 
         def forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
             upstream = http.client.HTTPConnection(*proxy.upstream, timeout=60)
@@ -126,7 +174,7 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 upstream.close()
 
         def answer(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
-            self.send_response(status)
+            self.send_response_only(status)  # Server and Date: the upstream's (one of each)
             for key, value in headers:
                 self.send_header(key, value)
             if self.command != "HEAD":
@@ -147,7 +195,8 @@ class ProxyProcess:
     def __init__(self, upstream: str, faults: Faults = Faults()) -> None:
         self.args = [sys.executable, "-m", "ddp_cli.bench.faultproxy", upstream,
                      "--latency-ms", str(faults.latency_ms), "--fail-rate", str(faults.fail_rate),
-                     "--seed", str(faults.seed)]
+                     "--drop-share", str(faults.drop_share), "--seed", str(faults.seed),
+                     *(f"--fail-path={path}" for path in faults.fail_paths)]
         self.url, self.requests = "", 0
 
     def __enter__(self) -> ProxyProcess:
@@ -173,9 +222,13 @@ def main() -> None:
     parser.add_argument("upstream")
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument("--fail-rate", type=float, default=0.0)
+    parser.add_argument("--drop-share", type=float, default=0.0)
+    parser.add_argument("--fail-path", action="append", default=[])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    with FaultProxy(args.upstream, Faults(args.latency_ms, args.fail_rate, seed=args.seed)) as proxy:
+    faults = Faults(latency_ms=args.latency_ms, fail_rate=args.fail_rate, drop_share=args.drop_share,
+                    fail_paths=tuple(args.fail_path), seed=args.seed)
+    with FaultProxy(args.upstream, faults) as proxy:
         print(proxy.url, flush=True)
         sys.stdin.read()
     print(proxy.counts.requests, flush=True)

@@ -235,7 +235,8 @@ def _loc_train(fs, root: str) -> tuple[pd.DataFrame, list[str]]:
     import pandas as pd
 
     listing = f"{root}/{LOC_TRAIN_LIST}"
-    if fs.exists(listing):  # `<synset>/<ImageId> <n>` per line; plain str methods beat pandas' here
+    if with_retries(lambda: fs.exists(listing), listing):
+        # `<synset>/<ImageId> <n>` per line; plain str methods beat pandas' here
         lines = _read_text(fs, listing).splitlines()
         names = [line.partition(" ")[0] for line in lines if line.strip()]
         paths, unsafe = _under(LOC_TRAIN, names, LOC_TRAIN_LIST, "path")
@@ -249,10 +250,10 @@ def _loc_train(fs, root: str) -> tuple[pd.DataFrame, list[str]]:
 def _imagefolder(fs, root: str, splits: tuple[str, ...]) -> Listing:
     import pandas as pd
 
-    if not fs.isdir(f"{root}/train"):
+    if not with_retries(lambda: fs.isdir(f"{root}/train"), f"{root}/train"):
         raise DataError(f"{root}/train: missing; an imagefolder root holds train/<class>/ and val/<class>/")
-    synsets = sorted(p.rstrip("/").split("/")[-1] for p in fs.ls(f"{root}/train", detail=False)
-                     if fs.isdir(p))
+    synsets = sorted(with_retries(lambda: [p.rstrip("/").split("/")[-1] for p in fs.ls(f"{root}/train",
+                                  detail=False) if fs.isdir(p)], f"{root}/train"))
     frames = {}
     for split in splits:
         files = _list_images(fs, f"{root}/{split}", root)
@@ -261,11 +262,12 @@ def _imagefolder(fs, root: str, splits: tuple[str, ...]) -> Listing:
 
 
 def _list_images(fs, folder: str, root: str) -> list[str]:
-    if not fs.isdir(folder):
+    if not with_retries(lambda: fs.isdir(folder), folder):
         raise DataError(f"{folder}: missing split folder; check the data set root")
     prefix = len(fs._strip_protocol(root).rstrip("/")) + 1
     return sorted(
-        p[prefix:] for p in fs.find(folder) if p.lower().endswith(IMAGE_EXTENSIONS)
+        p[prefix:] for p in with_retries(lambda: fs.find(folder), folder)
+        if p.lower().endswith(IMAGE_EXTENSIONS)
     )
 
 
@@ -278,11 +280,15 @@ LAYOUTS: dict[str, Callable[[fsspec.AbstractFileSystem, str, tuple[str, ...]], L
 def infer_layout(fs: fsspec.AbstractFileSystem, root: str) -> str:
     """The layout of a root whose registry entry names none (DataSets.jl registries do not)."""
     root = root.rstrip("/")
-    if fs.exists(f"{root}/index.json"):
+
+    def has(name: str, check: Callable[[str], bool]) -> bool:
+        return with_retries(lambda: check(f"{root}/{name}"), f"{root}/{name}")
+
+    if has("index.json", fs.exists):
         return SHARDS
-    if fs.exists(f"{root}/LOC_synset_mapping.txt"):
+    if has("LOC_synset_mapping.txt", fs.exists):
         return "imagenet-loc"
-    if fs.isdir(f"{root}/train") and fs.isdir(f"{root}/val"):
+    if has("train", fs.isdir) and has("val", fs.isdir):
         return "imagefolder"
     raise DataError(f"{root}: cannot tell its layout: neither LOC_synset_mapping.txt (imagenet-loc), "
                     "train/ and val/ folders (imagefolder) nor index.json (shards) are there; fix "

@@ -8,8 +8,14 @@ step); an object that keeps failing ends the run (exit 3) naming it, the last
 checkpoint intact. Any other error (a missing key, refused credentials) is not
 retried: waiting would not change it.
 
-botocore and s3fs retry on their own, hidden, uncounted and beyond our budget:
-`storage.s3_filesystem` turns both off, so this module is the one that retries.
+botocore and s3fs retry on their own, hidden, uncounted and beyond our budget
+(25 attempts of a GET answered 503, measured): `storage.s3_filesystem` turns both
+off, so this module is the one that retries. Left on: aiohttp sends a GET once
+more when its connection is reset before any answer (how a kept-alive connection
+that the server closed ends; a second reset reaches us as EndpointConnectionError).
+What s3fs raises, seen through the fault proxy: a 503 as OSError(EBUSY) caused by
+botocore's ClientError; a reset as EndpointConnectionError caused by aiohttp's
+ClientOSError; a slow answer as ReadTimeoutError. `transient` follows the causes.
 
 Every retry is counted in a counter in shared memory made by the rank before its
 loader processes fork (`count_retries`), so the trainer reads what its loader

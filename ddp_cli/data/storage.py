@@ -140,9 +140,11 @@ class FileReader:
 
     def prefetch(self, paths: list[str]) -> None:
         """Read `paths` together, `policy.concurrency` requests in flight, for the `read`s that follow
-        (each takes its file, or raises its error): a batch of remote files costs about one round trip,
+        (each takes its file, or raises its error, until the next `prefetch`: under repeated augmentation
+        a batch holds an image twice, read once): a batch of remote files costs about one round trip,
         not one per file. Local roots read on demand."""
         self._ready = {}
+        paths = list(dict.fromkeys(paths))
         if _is_local(self._fs) or self.policy.concurrency < 2 or len(paths) < 2:
             return
         if self._threads is None or self._threads[0] != os.getpid():
@@ -161,7 +163,7 @@ class FileReader:
         DataError for remote storage failures (credentials, access, network), UnsafePath
         if `path` could leave the root."""
         if path in self._ready:
-            ready = self._ready.pop(path)
+            ready = self._ready[path]
             if isinstance(ready, Exception):
                 raise ready
             return ready

@@ -357,7 +357,7 @@ def test_a_batch_of_s3_objects_is_read_together_and_loads_as_one_by_one(s3_regis
         one_by_one = [items()[item] for item in batch]
         peak_before = proxy.counts.peak_in_flight
         together = items().__getitems__(batch)
-        assert proxy.counts.peak_in_flight >= 2 > peak_before  # one at a time, then several in flight
+        assert 8 >= proxy.counts.peak_in_flight >= 2 > peak_before  # one at a time, then io_concurrency
         for a, b in zip(together, one_by_one, strict=True):
             assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
         assert any(item[2] or item[3] for item in together)  # the planted truncated file met either way
@@ -374,12 +374,15 @@ def train_through(registry, tmp_path, name, *extra):
 
 
 def test_transient_s3_failures_are_retried_counted_and_change_nothing(s3_registry, through, tmp_path):
-    """5% of GETs answered 503 SlowDown (seed 1 refuses the 10th, 14th, 20th, ... GET: a one-epoch run
-    makes ~40): the run retries them, says how many, and ends with the weights of a run that met none."""
-    proxy, registry = through(fail_rate=0.05, seed=1)
-    flaky = last_json(train_through(registry, tmp_path, "flaky"))
+    """5% of GETs failing, 503 SlowDown or (a third of them) the connection reset (seed 1; a one-epoch run
+    makes ~45): the run retries them, says how many, and ends with the weights of a run that met none."""
+    proxy, registry = through(fail_rate=0.05, drop_share=0.3, seed=1)
+    result = train_through(registry, tmp_path, "flaky")
+    flaky = last_json(result)
+    assert "Traceback" not in result.stderr and "Unclosed" not in result.stderr  # forked S3 sessions: quiet
     clean = last_json(train_through(s3_registry, tmp_path, "clean"))
-    assert proxy.counts.refused > 0 and flaky["io_retries"] > 0 and clean["io_retries"] == 0
+    assert proxy.counts.refused > proxy.counts.dropped > 0  # seed 1: of 45 requests, 3 x 503 and 2 resets
+    assert flaky["io_retries"] > 0 and clean["io_retries"] == 0
     assert flaky["final"] == clean["final"]
     a, b = (torch.load(tmp_path / run / "checkpoints/last.pt", weights_only=True)["model"]
             for run in ("flaky", "clean"))
@@ -388,14 +391,23 @@ def test_transient_s3_failures_are_retried_counted_and_change_nothing(s3_registr
     assert sum(r["io_retries"] for r in epochs if r.get("split") == "val") == flaky["io_retries"]
 
 
-def test_an_object_that_keeps_failing_ends_the_run_naming_it(s3_registry, through, tmp_path):
-    key = "imagenet/ILSVRC/Data/CLS-LOC/train/n00001001/n00001001_3.JPEG"
-    proxy, registry = through(fail_paths=(key,))
-    result = train_through(registry, tmp_path, "failing", "--set", "data.io_retries=2")
+def test_an_object_that_keeps_failing_ends_the_run_naming_it_the_last_checkpoint_intact(s3_registry, through,
+                                                                                        tmp_path):
+    """A validation image that always fails, after a checkpoint at every step of the epoch: exit 3 naming
+    it once the budget (2 retries: 3 requests, no more) is spent; the last checkpoint whole."""
+    from ddp_cli.train.checkpoint import read_manifest, verify
+
+    key = "imagenet/ILSVRC/Data/CLS-LOC/val/ILSVRC2012_val_00000002.JPEG"
+    proxy, registry = through(fail_paths=key)
+    result = train_through(registry, tmp_path, "failing", "--set", "data.io_retries=2",
+                           "--set", "checkpoint.every_steps=1")
     assert result.returncode == 3, result.stderr[-2000:]
     line = next(x for x in result.stderr.splitlines() if x.startswith("error:"))
     assert f"{BUCKET}/{key}: the storage failed 3 times in a row" in line and "data.io_retries" in line
-    assert proxy.counts.refused >= 3
+    assert proxy.counts.refused == 3  # every request of it: none hidden, none past the budget
+    last = tmp_path / "failing" / "checkpoints" / "last.pt"
+    assert verify(last) is None  # whole, and the newest: 3 steps of 2 ranks x 4 images, the epoch's
+    assert read_manifest(last)["step"] == 2  # last one saved only after validation, which failed
 
 
 def test_bench_data_rates_each_storage_and_reads_s3_through_the_latency_proxy(s3_registry, aws, tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import errno
 
 import pytest
-from botocore.exceptions import ClientError, ReadTimeoutError
+from aiohttp import ClientOSError, ServerDisconnectedError
+from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
 from ddp_cli.data import retry
 from ddp_cli.data.retry import IoPolicy, transient, with_retries
@@ -25,6 +26,17 @@ def translated(cause: BaseException, number: int) -> OSError:
         return e
 
 
+def reset_by_peer() -> EndpointConnectionError:
+    """aiobotocore's EndpointConnectionError, caused by aiohttp's ClientOSError, caused by the reset."""
+    try:
+        try:
+            raise ClientOSError(errno.ECONNRESET, "Connection reset by peer")
+        except ClientOSError as e:
+            raise EndpointConnectionError(endpoint_url="http://x/b/k", error=e) from e
+    except EndpointConnectionError as e:
+        return e
+
+
 @pytest.mark.parametrize(("error", "expected"), [
     (client_error("SlowDown", 503), True),
     (client_error("InternalError", 500), True),
@@ -32,6 +44,8 @@ def translated(cause: BaseException, number: int) -> OSError:
     (client_error("AccessDenied", 403), False),
     (translated(client_error("SlowDown", 503), errno.EBUSY), True),
     (ReadTimeoutError(endpoint_url="http://x"), True),
+    (reset_by_peer(), True),  # what s3fs raised for a reset connection through the fault proxy
+    (ServerDisconnectedError(), True),
     (ConnectionResetError(), True),
     (OSError(errno.EBUSY, "busy"), True),
     (FileNotFoundError("nope"), False),
