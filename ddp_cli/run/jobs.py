@@ -79,4 +79,4 @@ def first_error(folder: Path) -> dict[str, Any] | None:
 
 def clear_errors(folder: Path) -> None:
     for path in (folder / "errors").glob("rank*.json"):
-        path.unlink()
+        path.unlink(missing_ok=True)  # a node sharing the run dir may clear it at the same time

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
@@ -236,13 +236,20 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
             f"interrupted by {signal.Signals(e.sigval).name}"
         raise WorkerFailed(message, code) from None
     except RendezvousError as e:
-        endpoint = opts.rdzv_endpoint or "127.0.0.1"
-        if hosts and opts.rdzv_endpoint:
-            raise ConfigError(f"--rdzv-endpoint {endpoint}: cannot host the rendezvous there (port in "
-                              "use or not this machine's address); pick a free port") from None
-        raise DataError(f"--rdzv-endpoint {endpoint}: rendezvous failed within "
-                        f"{cfg.rdzv_timeout_s}s ({type(e).__name__}); is node 0 up and the "
-                        "address reachable from here?") from None
+        raise rendezvous_failure(e, opts.rdzv_endpoint, hosts, cfg.rdzv_timeout_s) from None
+
+
+def rendezvous_failure(err: RendezvousError, endpoint: str | None, hosts: bool,
+                       timeout_s: float) -> ConfigError | DataError:
+    """Node 0 that could not open its store is told why (the port, usually); any other node is asked
+    whether node 0 is up, since a rendezvous that never completes looks the same from every node."""
+    if endpoint and hosts and isinstance(err, RendezvousConnectionError):
+        cause = str(err.__cause__ or err)
+        why = "port in use" if "EADDRINUSE" in cause else cause.splitlines()[0]
+        return ConfigError(f"--rdzv-endpoint {endpoint}: cannot host the rendezvous there ({why}); "
+                           "pick a free port")
+    return DataError(f"--rdzv-endpoint {endpoint or '127.0.0.1'}: rendezvous failed within {timeout_s}s "
+                     f"({type(err).__name__}); is every node up and the address reachable from here?")
 
 
 def failure(job_dir: Path, err: ChildFailedError) -> WorkerFailed:

@@ -23,7 +23,8 @@ def test_a_busy_rendezvous_port_is_a_usage_error(demo_registry, tmp_path):
                          str(tmp_path / "run"), "--rdzv-endpoint", f"127.0.0.1:{port}", *SMALL,
                          timeout=120)
     assert result.returncode == 2, result.stderr
-    assert f"127.0.0.1:{port}" in result.stderr and "frame #" not in result.stderr
+    assert f"127.0.0.1:{port}: cannot host the rendezvous there (port in use)" in result.stderr
+    assert "frame #" not in result.stderr
 
 
 def test_an_unreachable_rendezvous_is_a_data_error_not_a_hang(demo_registry, tmp_path):

@@ -87,9 +87,8 @@ def run_nodes(commands: list[list[str]], timeout: float = 200) -> None:
     procs = [subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **ONE_THREAD}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True) for cmd in commands]
     try:
-        for proc in procs:
-            _, stderr = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, stderr[-3000:]
+        errors = [proc.communicate(timeout=timeout)[1] for proc in procs]
+        assert [proc.returncode for proc in procs] == [0, 0], "\n".join(e[-2000:] for e in errors)
     finally:
         for proc in procs:
             proc.kill()

@@ -101,3 +101,35 @@ def test_nodes_without_a_rendezvous_id_derive_the_same_one_from_the_endpoint():
     assert run_id(node[0]) == run_id(node[1]) == "ddp-node0:29400"
     assert run_id(LaunchOptions(rdzv_endpoint="node0:29400", rdzv_id="job1")) == "job1"
     assert run_id(LaunchOptions()) != run_id(LaunchOptions())  # one node: a fresh job each time
+
+
+def test_nodes_sharing_a_run_dir_may_clear_its_errors_at_the_same_time(tmp_path, monkeypatch):
+    """Both nodes of a resumed job clear `errors/` at start; one must not fail on a file the other
+    removed between listing and unlinking (it did: node 1 died, node 0 waited out the rendezvous)."""
+    from ddp_cli.run.jobs import clear_errors, first_error, record_error
+
+    record_error(tmp_path, 0, 5, "lost rank 1", original=False)
+    listed = Path.glob
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: [self / "rank1.json", *listed(self, pattern)])
+    clear_errors(tmp_path)  # rank1.json: already gone
+    monkeypatch.undo()
+    assert first_error(tmp_path) is None
+
+
+def test_a_host_that_cannot_open_its_store_says_why_and_a_timeout_asks_for_the_other_nodes():
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    from ddp_cli.errors import DataError
+    from ddp_cli.run.launch import rendezvous_failure
+
+    busy = RendezvousConnectionError("The connection to the C10d store has failed.")
+    busy.__cause__ = RuntimeError("The server socket has failed to listen on any local network address. "
+                                  "port: 29400, useIpv6: false, code: -98, name: EADDRINUSE")
+    error = rendezvous_failure(busy, "node0:29400", True, 60)
+    assert isinstance(error, ConfigError)
+    assert str(error) == "--rdzv-endpoint node0:29400: cannot host the rendezvous there (port in use); " \
+                         "pick a free port"
+    for hosts, err in ((True, RendezvousTimeoutError()), (False, busy)):
+        error = rendezvous_failure(err, "node0:29400", hosts, 60)
+        assert isinstance(error, DataError) and "rendezvous failed within 60s" in str(error)
+        assert "is every node up" in str(error)
