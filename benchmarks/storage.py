@@ -3,6 +3,10 @@ shards packed at 256 px, S3 files and S3 shards (a loopback moto server), read b
 
     python benchmarks/storage.py /tmp/storage-bench --latency-ms 50 --workers 2 --seconds 60
 
+With `--pipeline-cpus 0` the measured pipeline may use CPU 0 only and moto's server (and the latency
+proxy) the other CPUs: the server's work is then not charged to the node it feeds, as in a real region
+(on loopback it shares the node's cores: bytes served, copied by the proxy, received).
+
 It writes the images (benchmarks/make_jpegs.py: 300-500 px, photo-like), packs them with
 `ddp datasets pack` (locally, to S3, and at --max-side 256), starts moto's server, uploads the files,
 writes a data.toml with the five entries and runs `ddp bench data ... --latency-ms MS --json`, then
@@ -27,9 +31,10 @@ ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFA
        "AWS_EC2_METADATA_DISABLED": "true"}
 
 
-def ddp(*args: str, env: dict) -> dict:
+def ddp(*args: str, env: dict, cpus: set[int] | None = None) -> dict:
     out = subprocess.run([sys.executable, "-m", "ddp_cli", *args, "--json"], env=env, check=True,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True,
+                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -40,12 +45,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--per-class", type=int, default=120)
+    parser.add_argument("--pipeline-cpus", help="CPUs of the measured pipeline, e.g. 0 (the server and "
+                        "the proxy get the others); default: every CPU for everything")
     args = parser.parse_args()
+    measured = {int(c) for c in args.pipeline_cpus.split(",")} if args.pipeline_cpus else None
     root = args.root.resolve()
     files = root / "jpegs"
     if not files.exists():
         subprocess.run([sys.executable, str(Path(__file__).with_name("make_jpegs.py")), str(files),
                         "--classes", "10", "--per-class", str(args.per_class), "--val", "20"], check=True)
+    if measured:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) - measured)  # moto's threads start here
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -77,7 +87,7 @@ def main() -> None:
     registry.write_text(tomli_w.dumps({"data_config_version": 1, "datasets": entries}))
     result = ddp("bench", "data", *(e["name"] for e in entries), "--registry", str(registry),
                  "--latency-ms", str(args.latency_ms), "--workers", str(args.workers),
-                 "--seconds", str(args.seconds), env=env)
+                 "--seconds", str(args.seconds), env=env, cpus=measured)
     server.stop()
     rate = {row["storage"] + ("@256" if row["dataset"] == "shards_256" else ""): row["images_per_second"]
             for row in result["rows"]}

@@ -12,7 +12,9 @@ row over the first row, measured in the same run.
 `--latency-ms` puts the fault proxy (`faultproxy.py`) in front of each S3
 endpoint, adding a first-byte latency to every request, so that loopback
 behaves like a region. It runs in a process of its own: in the measured
-process its copying would take the GIL from the pipeline it measures.
+process its copying would take the GIL from the pipeline it measures. It
+stands for the network, so when this process may use only some of the CPUs
+(`taskset`), the proxy runs on the others: a region's CPUs are not the node's.
 
 The cache must not turn a storage bench into a disk bench: remote shards go
 to a fresh cache folder every round, which keeps `2 * shuffle_shards + 4`
@@ -89,6 +91,8 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
                     raise ConfigError(f"--latency-ms: data set {name!r} has no storage.endpoint_url (nor is "
                                       "AWS_ENDPOINT_URL set): the proxy needs an endpoint to stand before")
                 proxy = stack.enter_context(ProxyProcess(endpoint, Faults(latency_ms=latency_ms)))
+                if elsewhere := set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0):
+                    os.sched_setaffinity(proxy.proc.pid, elsewhere)
                 proxies.append(proxy)
                 entry = entry.model_copy(deep=True)
                 entry.storage.endpoint_url = proxy.url

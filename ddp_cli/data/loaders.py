@@ -34,6 +34,7 @@ from ddp_cli.errors import DataError
 
 SKIP_ATTEMPTS = 16
 PR_SET_PDEATHSIG = 1  # prctl(2)
+LEAD = 4  # remote shards downloaded ahead at least: a window of 1-3 shards is read too soon after its start
 
 
 def fetch(reader: FileReader | ShardReader, path: str, member: np.ndarray | None = None) -> EncodedImage:
@@ -127,25 +128,32 @@ class ImageDataset(Dataset):
 
     def read_ahead(self, indices: list[int], seed: int = 0, epoch: int | None = None) -> None:
         """Before a batch: its files requested together; for remote shards, the shards read after this
-        batch's downloaded in the background: the next window of the (seed, epoch) shard order in
-        training, the next shards in order in validation (`epoch` None)."""
+        batch's downloaded in the background: the next `window` (at least LEAD) of the (seed, epoch)
+        shard order in training, on into the next epoch's, or of the file order in validation (`epoch`
+        None). The cache (`shard_cache`) holds this window and that many more."""
         self.reader.prefetch([self.paths[i] for i in indices])
         if not self.split.sharded:
             return
         starts, count = self.split.starts, len(self.split.starts) - 1
         shards = set((np.searchsorted(starts, indices, side="right") - 1).tolist())
+        ahead = max(self.window, LEAD)
         if epoch is None:
-            after = range(max(shards) + 1, min(max(shards) + 1 + self.window, count))
+            after = range(max(shards) + 1, min(max(shards) + 1 + ahead, count))
         else:
-            sequence = shard_sequence(count, torch.Generator().manual_seed(derived_seed(seed, epoch)))
-            window = max(sequence.index(j) for j in shards) // self.window
-            after = sequence[(window + 1) * self.window:(window + 2) * self.window]
+            sequence = epoch_shards(count, seed, epoch) + epoch_shards(count, seed, epoch + 1)
+            following = (max(sequence.index(j) for j in shards) // self.window + 1) * self.window
+            after = sequence[following:following + ahead]
         self.reader.download_ahead([self.paths[int(starts[j])].split("/", 1)[0] for j in after
                                     if starts[j] < starts[j + 1]])
 
     def failed(self, index: int, message: str):
         blank = torch.zeros(self.out_size, self.out_size, 3, dtype=torch.uint8)
         return blank, int(self.labels[index]), "", message
+
+
+def epoch_shards(count: int, seed: int, epoch: int) -> list[int]:
+    """The order in which the training sampler reads the shards in `epoch` (`sampler.shard_order`)."""
+    return shard_sequence(count, torch.Generator().manual_seed(derived_seed(seed, epoch)))
 
 
 class EpochItems(Dataset):
@@ -277,8 +285,9 @@ def build_loaders(
 
 
 def shard_cache(cfg: DataConfig) -> int:
-    """Remote shards a node keeps: the window being read, the next one, and room for stragglers."""
-    return 2 * cfg.shuffle_shards + 4
+    """Remote shards a node keeps: the window being read and the ones downloaded ahead (the next
+    window, at least LEAD shards: `ImageDataset.read_ahead`), with room for stragglers."""
+    return 2 * cfg.shuffle_shards + LEAD
 
 
 def eval_loader(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str, split: Split, rank: int,

@@ -21,7 +21,7 @@ import fcntl
 import os
 import tempfile
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -53,7 +53,7 @@ class ShardReader:
         self.cache = None if _is_local(fs) else cache_folder(fs, self.root, cache_dir or DEFAULT_CACHE)
         self.keep = keep
         self._open: OrderedDict[str, BinaryIO] = OrderedDict()
-        self._ahead: tuple[int, ThreadPoolExecutor, set[str]] | None = None  # (pid, downloads, asked)
+        self._ahead: tuple[int, ThreadPoolExecutor, dict[str, Future]] | None = None  # pid, pool, pending
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -70,17 +70,21 @@ class ShardReader:
         if self.cache is None:
             return
         if self._ahead is None or self._ahead[0] != os.getpid():
-            self._ahead = os.getpid(), ThreadPoolExecutor(2, "shards-ahead"), set()
-        _, pool, asked = self._ahead
-        for shard in shards:
-            if shard not in asked and not (self.cache / shard).exists():
-                asked.add(shard)
-                pool.submit(self._fetch_quietly, shard)
+            self._ahead = os.getpid(), ThreadPoolExecutor(2, "shards-ahead"), {}
+        _, pool, pending = self._ahead
+        for shard, download in list(pending.items()):
+            if download.done():
+                del pending[shard]
+        for shard in shards:  # asked again once evicted: a later epoch reads it again
+            if shard not in pending and not (self.cache / shard).exists():
+                pending[shard] = pool.submit(self._fetch_quietly, shard)
 
     def _fetch_quietly(self, shard: str) -> None:
-        """A download ahead: a failure here is met again, and reported, when the shard is read."""
+        """A download ahead: a failure here is met again, and reported, when the shard is read. One that
+        another process has begun is left to it (this one goes on to the next): every loader process
+        asks for the same shards, and waiting in turn would download them one or two at a time."""
         with contextlib.suppress(Exception):
-            self.fetch(shard)
+            self.fetch(shard, wait=False)
 
     def read(self, path: str, member: tuple[int, int]) -> bytes:
         """The `size` bytes at `offset` of the shard `path` starts with. FileNotFoundError if the
@@ -112,14 +116,15 @@ class ShardReader:
         self.fs  # noqa: B018 - resets the filesystem and the open files after a fork
         return self._open
 
-    def fetch(self, shard: str) -> Path:
-        """The node-local copy of remote `shard`, downloaded by whichever process asks first."""
+    def fetch(self, shard: str, wait: bool = True) -> Path:
+        """The node-local copy of remote `shard`, downloaded by whichever process asks first; without
+        `wait`, BlockingIOError if another process is downloading it."""
         assert self.cache is not None
         target = self.cache / shard
         if not target.exists():
             self.cache.mkdir(parents=True, exist_ok=True)
             with open(self.cache / f".{shard}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))  # released on close
                 if not target.exists():
                     self._download(shard, target)
                     self._evict()

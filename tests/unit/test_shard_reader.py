@@ -87,6 +87,29 @@ def test_readers_on_one_node_wait_for_one_download_of_a_shard(packed, tmp_path):
     assert len(out) == 4 and len(set(out)) == 1 and len(downloads) == 1
 
 
+def test_a_download_ahead_leaves_a_shard_another_process_is_downloading_and_takes_the_next(packed, tmp_path):
+    """Every loader process asks for the same next shards: waiting in turn would fetch them one at a
+    time, so a download ahead skips a locked shard (a read still waits for it)."""
+    import fcntl
+    import time
+
+    memory, root, downloads = remote_copy(packed)
+    split = build_index(memory, root, "shards", splits=("train",)).splits["train"]
+    first, second = sorted({p.split("/")[0] for p in split.paths})[:2]
+    reader = ShardReader(memory, root, tmp_path / "cache")
+    reader.cache.mkdir(parents=True)
+    with open(reader.cache / f".{first}.lock", "w") as held:  # another process's download
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(BlockingIOError):
+            reader.fetch(first, wait=False)
+        reader.download_ahead([first, second])
+        deadline = time.monotonic() + 30
+        while not (reader.cache / second).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [d.rsplit("/", 1)[-1] for d in downloads] == [second]
+    assert reader.fetch(first).exists() and len(downloads) == 2  # the lock released: downloaded on read
+
+
 def test_a_bad_member_is_a_bad_image_skipped_or_named(packed, tmp_path):
     damaged = tmp_path / "damaged"
     damaged.mkdir()
@@ -105,3 +128,39 @@ def test_a_bad_member_is_a_bad_image_skipped_or_named(packed, tmp_path):
     _, _, _, error = stop[0]
     assert error.startswith(f"bad image {damaged}/{split.paths[0]}: not an image")
     assert torch.equal(stop[1][0], skip[1][0])  # the other images read as ever
+
+
+def test_remote_shards_are_downloaded_ahead_and_on_into_the_next_epoch(packed, tmp_path):
+    """Each training batch asks for the shards the sampler reads next, found here from the sampler's
+    own order: the next window, but at least 4 shards (with windows of 2: the next two windows); near
+    the epoch's end, on into the next epoch's (else every epoch began by waiting for its downloads)."""
+    import numpy as np
+
+    from ddp_cli.data.sampler import shard_order
+
+    memory, root, _ = remote_copy(packed)
+    split = build_index(memory, root, "shards", splits=("train",)).splits["train"]
+    dataset = ImageDataset(memory, root, split, ValTransform(8, 8), cache_dir=str(tmp_path), window=2)
+    asked: list[set[str]] = []
+    dataset.reader.download_ahead = lambda shards: asked.append(set(shards))
+    starts = split.starts
+    shard_of = {row: split.paths[row].split("/")[0] for row in range(len(split))}
+
+    def windows(epoch: int) -> list[list[int]]:
+        """The epoch's rows, window by window (2 shards' rows each), as the sampler reads them."""
+        out, rows, shards = [], [], set()
+        for row in shard_order(starts, 7, epoch, 2).tolist():
+            rows.append(row)
+            shards.add(int(np.searchsorted(starts, row, side="right") - 1))
+            if len(shards) == 2 and len(rows) == sum(int(starts[j + 1] - starts[j]) for j in shards):
+                out.append(rows)
+                rows, shards = [], set()
+        return out + [rows] if rows else out
+
+    now, following = windows(0), windows(1)
+    assert len(now) >= 3 and sum(map(len, now)) == len(split) and len(starts) % 2, "whole windows of 2"
+    for w, rows in enumerate(now):
+        asked.clear()
+        dataset.read_ahead(rows[:3], seed=7, epoch=0)
+        upcoming = (now + following)[w + 1] + (now + following)[w + 2]
+        assert asked == [{shard_of[r] for r in upcoming}], f"window {w}"
