@@ -3,6 +3,7 @@ download per shard, bad members handled as bad files."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import fsspec
@@ -95,19 +96,40 @@ def test_a_download_ahead_leaves_a_shard_another_process_is_downloading_and_take
 
     memory, root, downloads = remote_copy(packed)
     split = build_index(memory, root, "shards", splits=("train",)).splits["train"]
-    first, second = sorted({p.split("/")[0] for p in split.paths})[:2]
+    first, second, third = sorted({p.split("/")[0] for p in split.paths})[:3]
     reader = ShardReader(memory, root, tmp_path / "cache")
     reader.cache.mkdir(parents=True)
-    with open(reader.cache / f".{first}.lock", "w") as held:  # another process's download
-        fcntl.flock(held, fcntl.LOCK_EX)
+    with contextlib.ExitStack() as held:  # another process's downloads: as many as downloads ahead run
+        for shard in (first, second):
+            fcntl.flock(held.enter_context(open(reader.cache / f".{shard}.lock", "w")), fcntl.LOCK_EX)
         with pytest.raises(BlockingIOError):
             reader.fetch(first, wait=False)
-        reader.download_ahead([first, second])
+        reader.download_ahead([first, second, third])
         deadline = time.monotonic() + 30
-        while not (reader.cache / second).exists() and time.monotonic() < deadline:
+        while not (reader.cache / third).exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert [d.rsplit("/", 1)[-1] for d in downloads] == [second]
+        assert [d.rsplit("/", 1)[-1] for d in downloads] == [third]
     assert reader.fetch(first).exists() and len(downloads) == 2  # the lock released: downloaded on read
+
+
+def test_a_shard_downloaded_ahead_then_evicted_is_downloaded_ahead_again(packed, tmp_path):
+    """A data set bigger than the cache (ImageNet, always) has its shards evicted before the next
+    epoch asks for them ahead again: each time, a download in the background, not one on demand."""
+    import time
+
+    memory, root, downloads = remote_copy(packed)
+    split = build_index(memory, root, "shards", splits=("train",)).splits["train"]
+    shard = split.paths[0].split("/")[0]
+    reader = ShardReader(memory, root, tmp_path / "cache")
+    for epoch in (1, 2):
+        deadline = time.monotonic() + 30
+        while len(downloads) < epoch and time.monotonic() < deadline:
+            reader.download_ahead([shard])  # every batch of the window before asks
+            time.sleep(0.01)
+        while not (reader.cache / shard).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(downloads) == epoch, f"epoch {epoch}: not downloaded ahead once"
+        (reader.cache / shard).unlink()  # evicted
 
 
 def test_a_bad_member_is_a_bad_image_skipped_or_named(packed, tmp_path):
