@@ -28,6 +28,7 @@ from typing import BinaryIO
 import fsspec
 
 from ddp_cli.data.retry import IoPolicy, with_retries
+from ddp_cli.data.s3_download import download
 from ddp_cli.data.storage import (
     UNSAFE_PATH,
     UnsafePath,
@@ -72,8 +73,8 @@ class ShardReader:
         if self._ahead is None or self._ahead[0] != os.getpid():
             self._ahead = os.getpid(), ThreadPoolExecutor(2, "shards-ahead"), {}
         _, pool, pending = self._ahead
-        for shard, download in list(pending.items()):
-            if download.done():
+        for shard, running in list(pending.items()):
+            if running.done():
                 del pending[shard]
         for shard in shards:  # asked again once evicted: a later epoch reads it again
             if shard not in pending and not (self.cache / shard).exists():
@@ -133,7 +134,7 @@ class ShardReader:
     def _download(self, shard: str, target: Path) -> None:
         partial, where = target.with_name(f".{shard}.{os.getpid()}.part"), f"{self.root}/{shard}"
         try:
-            with_retries(lambda: self.fs.get_file(where, str(partial)), where, self.policy)
+            with_retries(lambda: download(self.fs, where, partial), where, self.policy)
         except (FileNotFoundError, DataError):
             partial.unlink(missing_ok=True)
             raise

@@ -364,6 +364,74 @@ def test_a_batch_of_s3_objects_is_read_together_and_loads_as_one_by_one(s3_regis
         proxy.counts.peak_in_flight = 0
 
 
+@pytest.fixture
+def blobs(s3_registry, s3_endpoint, aws):
+    """Four 1 MiB objects under s3://BUCKET/blobs/ (the bucket is s3_registry's), read as remote shards are:
+    whole, into a local cache."""
+    import random
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    data = {f"{i}.tar": random.Random(i).randbytes(1 << 20) for i in range(4)}
+    for name, blob in data.items():
+        fs.pipe_file(f"{BUCKET}/blobs/{name}", blob)
+    return data
+
+
+def shard_reader(endpoint: str, cache: Path, retries: int):
+    from ddp_cli.data.retry import IoPolicy
+    from ddp_cli.data.shard_reader import ShardReader
+    from ddp_cli.data.storage import S3Location, s3_filesystem
+
+    fs, root = s3_filesystem(S3Location(f"s3://{BUCKET}/blobs", endpoint_url=endpoint))
+    return ShardReader(fs, root, cache, policy=IoPolicy(retries=retries, wait_s=0.001))
+
+
+def test_remote_shards_are_downloaded_whole_one_get_each_by_the_synchronous_client(blobs, s3_endpoint,
+                                                                                   tmp_path, monkeypatch):
+    from ddp_cli.bench.faultproxy import FaultProxy
+
+    async def not_s3fs(*args, **kwargs):
+        raise AssertionError("s3fs's get_file: 64 KiB per event-loop turn, a third more CPU")
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_get_file", not_s3fs)
+    with FaultProxy(s3_endpoint) as proxy:
+        reader = shard_reader(proxy.url, tmp_path, retries=0)
+        before = proxy.counts.requests
+        for name, blob in blobs.items():
+            assert reader.fetch(name).read_bytes() == blob
+        assert proxy.counts.requests - before == len(blobs)  # a GET each: no HEAD, no ranges
+
+
+def test_a_shard_download_that_fails_transiently_is_retried_counted_and_whole(blobs, s3_endpoint, tmp_path):
+    """Half the GETs refused (503 SlowDown, or the connection reset): each refusal is one counted retry,
+    none hidden in botocore, and every shard arrives whole."""
+    from ddp_cli.bench.faultproxy import FaultProxy, Faults
+    from ddp_cli.data.retry import count_retries, retries_so_far
+
+    count_retries()
+    with FaultProxy(s3_endpoint, Faults(fail_rate=0.5, drop_share=0.5, seed=3)) as proxy:
+        reader = shard_reader(proxy.url, tmp_path, retries=12)
+        retried, refused = retries_so_far(), proxy.counts.refused
+        for name, blob in blobs.items():
+            assert reader.fetch(name).read_bytes() == blob
+        assert proxy.counts.refused - refused == retries_so_far() - retried > proxy.counts.dropped > 0
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")) == \
+        sorted(blobs)  # no partial file left behind
+
+
+def test_a_shard_that_keeps_failing_or_is_missing_is_an_error_naming_it(blobs, s3_endpoint, tmp_path):
+    from ddp_cli.bench.faultproxy import FaultProxy, Faults
+
+    with FaultProxy(s3_endpoint, Faults(fail_paths="blobs/2.tar")) as proxy:
+        reader = shard_reader(proxy.url, tmp_path, retries=2)
+        with pytest.raises(DataError, match=f"{BUCKET}/blobs/2.tar: the storage failed 3 times in a row"):
+            reader.fetch("2.tar")
+        assert proxy.counts.refused == 3  # within the budget: 1 + 2 retries, no more
+        with pytest.raises(FileNotFoundError, match=f"{BUCKET}/blobs/9.tar"):
+            reader.fetch("9.tar")
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+
+
 def train_through(registry, tmp_path, name, *extra):
     config = tmp_path / "s3.toml"
     config.write_text(CONFIG)
