@@ -1,7 +1,7 @@
 """The storage benchmark of BENCHMARKS.md ("Storage"): the same images as local files, local shards,
 shards packed at 256 px, S3 files and S3 shards (a loopback moto server), read by the training pipeline.
 
-    python benchmarks/storage.py /tmp/storage-bench --latency-ms 50 --workers 2 --seconds 60
+    python benchmarks/storage.py /tmp/storage-bench --latency-ms 50 --workers 2 --seconds 60 [--rounds 3]
 
 With `--pipeline-cpus 0` the measured pipeline may use CPU 0 only and moto's server (and the latency
 proxy) the other CPUs: the server's work is then not charged to the node it feeds, as in a real region
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--per-class", type=int, default=120)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pipeline-cpus", help="CPUs of the measured pipeline, e.g. 0 (the server and "
                         "the proxy get the others); default: every CPU for everything")
     args = parser.parse_args()
@@ -87,18 +89,24 @@ def main() -> None:
     registry.write_text(tomli_w.dumps({"data_config_version": 1, "datasets": entries}))
     result = ddp("bench", "data", *(e["name"] for e in entries), "--registry", str(registry),
                  "--latency-ms", str(args.latency_ms), "--workers", str(args.workers),
-                 "--seconds", str(args.seconds), env=env, cpus=measured)
+                 "--seconds", str(args.seconds), "--rounds", str(args.rounds), env=env, cpus=measured)
     server.stop()
-    rate = {row["storage"] + ("@256" if row["dataset"] == "shards_256" else ""): row["images_per_second"]
-            for row in result["rows"]}
+    rows = {r["storage"] + ("@256" if r["dataset"] == "shards_256" else ""): r for r in result["rows"]}
     print(json.dumps(result, indent=1))
-    print(f"S3 shards @ {args.latency_ms:g} ms / local files: {rate['s3 shards'] / rate['local files']:.2f} "
-          "(target >= 0.9)")
-    print(f"S3 files batched / serial @ {args.latency_ms:g} ms: "
-          f"{rate['s3 files batched'] / rate['s3 files serial']:.2f} (target >= 5)")
-    print("local shards @ 256 px / local files (full size): "
-          f"{rate['local shards@256'] / rate['local files']:.2f} (target >= 1.5)")
 
+    def ratio(a: str, b: str) -> str:
+        """a's rate over b's: of the whole run, then each round's (every row is timed once a round) and
+        their median."""
+        whole = rows[a]["images_per_second"] / rows[b]["images_per_second"]
+        rounds = [p / q for p, q in zip(rows[a]["round_ratios"], rows[b]["round_ratios"], strict=True)]
+        return (f"{whole:.2f} (rounds: {' '.join(f'{r:.2f}' for r in rounds)}; "
+                f"median {statistics.median(rounds):.2f})")
+
+    ms = f"{args.latency_ms:g} ms"
+    print(f"S3 shards @ {ms} / local files: {ratio('s3 shards', 'local files')} (target >= 0.9)")
+    print(f"S3 files batched / serial @ {ms}: {ratio('s3 files batched', 's3 files serial')} (target >= 5)")
+    print(f"local shards @ 256 px / local files (full size): {ratio('local shards@256', 'local files')} "
+          "(target >= 1.5)")
 
 if __name__ == "__main__":
     main()

@@ -555,6 +555,9 @@ def datasets_index(
 
     emit(result, as_json, human)
 
+RoundsOpt = Annotated[int, typer.Option(min=1, help="Alternating rounds (noise hits every variant).")]
+
+
 @command(bench_app, "data")
 def bench_data(
     names: Annotated[list[str], typer.Argument(help="A data set in the registry; several: the same images "
@@ -569,6 +572,7 @@ def bench_data(
     policy: Annotated[str, typer.Option(
         help="Augmentation policy both pipelines run after the flip: none | trivialaugment | randaugment | "
              "autoaugment, several comma-separated, or all (a row each, and each against none).")] = "none",
+    rounds: RoundsOpt = 3,
     registry: RegistryOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -591,7 +595,7 @@ def bench_data(
     if len(names) > 1 or latency_ms:
         from ddp_cli.bench.storage import bench_storage
 
-        result = bench_storage(names, registry, latency_ms, workers, seconds, batch_size, image_size)
+        result = bench_storage(names, registry, latency_ms, workers, seconds, batch_size, image_size, rounds)
         emit(result, as_json, lambda: print_bench(result))
         return
     name = names[0]
@@ -600,7 +604,7 @@ def bench_data(
     policies = POLICIES if policy == "all" else tuple(dict.fromkeys(policy.split(",")))
     if unknown := [p for p in policies if p not in POLICIES]:
         raise ConfigError(f"--policy {unknown[0]}: use {', '.join(POLICIES)} or all")
-    result = run(name, registry, split, workers, seconds, batch_size, image_size, policies)
+    result = run(name, registry, split, workers, seconds, batch_size, image_size, policies, rounds)
     emit(result, as_json, lambda: print_bench(result))
 
 
@@ -610,7 +614,6 @@ SizeOpt = Annotated[int, typer.Option(min=8, help="Image side, pixels.")]
 WorldOpt = Annotated[int, typer.Option(min=1, help="Worker processes (gloo on loopback).")]
 ThreadsOpt = Annotated[int, typer.Option(min=1, help="Intra-op threads per worker.")]
 StepsOpt = Annotated[int, typer.Option(min=1, help="Timed steps per variant and round.")]
-RoundsOpt = Annotated[int, typer.Option(min=1, help="Alternating rounds (noise hits every variant).")]
 
 
 def step_spec(model: str, batch_size: int, image_size: int, steps: int, rounds: int):
@@ -1054,6 +1057,8 @@ def print_train_summary(result: dict[str, Any]) -> None:
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(_fmt(v) for v in value)
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 

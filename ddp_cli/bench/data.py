@@ -45,7 +45,6 @@ from ddp_cli.data.transforms import MEAN, STD, to_model_input
 from ddp_cli.errors import ConfigError
 from ddp_cli.registry import load_registry
 
-ROUNDS = 3
 POLICIES = ("none", "trivialaugment", "randaugment", "autoaugment")
 
 
@@ -85,8 +84,9 @@ class TorchvisionStyle(Dataset):
 
 def bench_data(name: str, registry: str | None, split: str = "train", workers: int = 2,
                seconds: float = 20.0, batch_size: int = 32, image_size: int = 224,
-               policies: Sequence[str] = ("none",)) -> dict:
-    """Measure both pipelines with each policy on data set `name`; return the shared bench dict."""
+               policies: Sequence[str] = ("none",), rounds: int = 3) -> dict:
+    """Measure both pipelines with each policy on data set `name`, alternating in `rounds`; return the
+    shared bench dict."""
     entry = load_registry(registry).get(name)
     fs, root = entry.open()
     table = build_index(fs, root, entry.layout, splits=(split,)).splits[split]
@@ -99,10 +99,10 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the consumer, like each loader process, on one core
     try:
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for key, (dataset, consume) in pipelines.items():
                 images, elapsed = _measure(dataset, consume, workers, batch_size,
-                                           seconds / ROUNDS / len(pipelines))
+                                           seconds / rounds / len(pipelines))
                 totals[key][0] += images
                 totals[key][1] += elapsed
     finally:
@@ -118,6 +118,7 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
         "batch_size": batch_size,
         "image_size": image_size,
         "seconds": seconds,
+        "rounds": rounds,
         "machine": machine(),
         "rows": [{"policy": p, "pipeline": pipeline, "images": totals[p, pipeline][0],
                   "seconds": totals[p, pipeline][1], "images_per_second": rate,

@@ -7,7 +7,10 @@ GET per image (`io_concurrency` 1, serial) and a batch's GETs together
 (EpochItems, the training sampler: for shards its shard order and window,
 DataLoader processes, normalisation in the consumer), in alternating rounds,
 each rate the total images over the total timed seconds; the ratios are each
-row over the first row, measured in the same run.
+row over the first row, measured in the same run. Each row also gives its
+ratio in every round (over the first row's rate in that round) and their
+median: a burst of load on a shared machine that hits one round moves the
+totals, not the median.
 
 `--latency-ms` puts the fault proxy (`faultproxy.py`) in front of each S3
 endpoint, adding a first-byte latency to every request, so that loopback
@@ -26,16 +29,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from ddp_cli.bench.data import ROUNDS, machine
+from ddp_cli.bench.data import machine
 from ddp_cli.bench.faultproxy import Faults, ProxyProcess
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.augment import train_transform
@@ -75,10 +79,14 @@ class Row:
     concurrency: int
     images: int = 0
     seconds: float = 0.0
+    rates: list[float] = field(default_factory=list)  # one per round
+
+    def ratios_to(self, first: Row) -> list[float]:
+        return [mine / theirs for mine, theirs in zip(self.rates, first.rates, strict=True)]
 
 
 def bench_storage(names: list[str], registry: str | None, latency_ms: float, workers: int, seconds: float,
-                  batch_size: int, image_size: int) -> dict:
+                  batch_size: int, image_size: int, rounds: int = 3) -> dict:
     """Rates of the training pipeline over each named data set's storage; ratios to the first."""
     with ExitStack() as stack:
         rows, proxies = [], []
@@ -107,11 +115,12 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
                          Row(name, f"{where} batched", entry, split, DataConfig().io_concurrency)]
             else:
                 rows.append(Row(name, where, entry, split, DataConfig().io_concurrency))
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for row in rows:
-                images, elapsed = measure(row, workers, batch_size, image_size, seconds / ROUNDS / len(rows))
+                images, elapsed = measure(row, workers, batch_size, image_size, seconds / rounds / len(rows))
                 row.images += images
                 row.seconds += elapsed
+                row.rates.append(images / elapsed)
     first = rows[0].images / rows[0].seconds
     return {
         "bench": "data-storage",
@@ -121,9 +130,12 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
         "batch_size": batch_size,
         "image_size": image_size,
         "seconds": seconds,
+        "rounds": rounds,
         "machine": machine(),
         "rows": [{"dataset": r.dataset, "storage": r.storage, "images": r.images, "seconds": r.seconds,
-                  "images_per_second": r.images / r.seconds, "ratio": r.images / r.seconds / first}
+                  "images_per_second": r.images / r.seconds, "ratio": r.images / r.seconds / first,
+                  "round_ratios": r.ratios_to(rows[0]),
+                  "median_ratio": statistics.median(r.ratios_to(rows[0]))}
                  for r in rows],
         "ratios": {f"{r.dataset}: {r.storage}": r.images / r.seconds / first for r in rows},
         "proxied_requests": sum(p.requests for p in proxies),  # what went through --latency-ms

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import shutil
+import statistics
 from pathlib import Path
 
 import moto.settings
@@ -494,7 +495,7 @@ def test_bench_data_rates_each_storage_and_reads_s3_through_the_latency_proxy(s3
                   "--shard-size", "0.05").exit_code == 0
     result = invoke("bench", "data", "files", "packed", "s3data", "--registry", str(path),
                     "--latency-ms", "5", "--workers", "0", "--seconds", "3", "--batch-size", "4",
-                    "--image-size", "16", "--json")
+                    "--image-size", "16", "--rounds", "2", "--json")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert [(r["dataset"], r["storage"]) for r in out["rows"]] == [
@@ -503,4 +504,6 @@ def test_bench_data_rates_each_storage_and_reads_s3_through_the_latency_proxy(s3
     first = out["rows"][0]["images"] / out["rows"][0]["seconds"]
     for row in out["rows"]:
         assert row["images"] > 0 and abs(row["ratio"] - row["images"] / row["seconds"] / first) < 1e-9
+        assert len(row["round_ratios"]) == 2 and row["median_ratio"] == statistics.median(row["round_ratios"])
+    assert out["rows"][0]["round_ratios"] == [1.0, 1.0]  # each round's rates over that round's first row
     assert out["proxied_requests"] >= out["rows"][2]["images"]  # one GET per image at least, through it
