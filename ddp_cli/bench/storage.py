@@ -10,7 +10,9 @@ each rate the total images over the total timed seconds; the ratios are each
 row over the first row, measured in the same run. Each row also gives its
 ratio in every round (over the first row's rate in that round) and their
 median: a burst of load on a shared machine that hits one round moves the
-totals, not the median.
+totals, not the median. The order turns by one row each round, so no row
+always follows the same one (e.g. the S3 shards row, whose cache writes
+leave the kernel writing back while the next row is timed).
 
 `--latency-ms` puts the fault proxy (`faultproxy.py`) in front of each S3
 endpoint, adding a first-byte latency to every request, so that loopback
@@ -115,8 +117,8 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
                          Row(name, f"{where} batched", entry, split, DataConfig().io_concurrency)]
             else:
                 rows.append(Row(name, where, entry, split, DataConfig().io_concurrency))
-        for _ in range(rounds):
-            for row in rows:
+        for turn in range(rounds):
+            for row in rows[turn % len(rows):] + rows[:turn % len(rows)]:  # each row first in some round
                 images, elapsed = measure(row, workers, batch_size, image_size, seconds / rounds / len(rows))
                 row.images += images
                 row.seconds += elapsed
