@@ -1,5 +1,5 @@
-"""Shared test helpers: tiny data sets made on the spot, the CLI as a subprocess (the gloo process
-harness is ddp_cli.run.loopback, shared with the benches)."""
+"""Shared test helpers: tiny data sets made on the spot, the CLI as a subprocess or in this process (the
+gloo process harness is ddp_cli.run.loopback, shared with the benches)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,21 @@ def run_ddp(*args: str, cwd: Path | None = None, env: dict | None = None,
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)  # no orphan workers, whatever happened
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+# The CLI sets these defaults in its environment; CliRunner restores the caller's after each run.
+CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
+
+
+def ddp_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`ddp ARGS...` in this process, returned as `run_ddp` returns it: for commands that start no worker,
+    without an interpreter's and torch's start-up (~3 s) each."""
+    from typer.testing import CliRunner
+
+    from ddp_cli.cli import app
+
+    result = CliRunner().invoke(app, list(args), env=CLI_ENV)
+    return subprocess.CompletedProcess(["ddp", *args], result.exit_code, result.stdout, result.stderr)
 
 
 def last_json(result: subprocess.CompletedProcess):

@@ -4,15 +4,11 @@ What the dry run refuses (and `train` alike): tests/e2e/test_preflight.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import REPO, last_json, run_ddp
+from conftest import REPO, ddp_in_process, last_json
 from synthetic import make_imagenet_loc, write_registry
-from typer.testing import CliRunner
 
-from ddp_cli.cli import app
 from ddp_cli.data.autotune import choose_prefetch, choose_workers, cores_per_rank
 from ddp_cli.train.precision import resolve_precision
 
@@ -20,8 +16,6 @@ CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 NAMED = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
          "efficientnet_v2_s", "inception_v3", "squeezenet1_0", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn",
          "vgg16", "vgg16_bn", "vgg19", "vgg19_bn", "convnext_tiny", "vit_b_16"]
-# the caller's environment is restored after each in-process run (the CLI sets these defaults)
-CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +31,13 @@ def tiny(tmp_path_factory):
 def dry_run(tiny, config: str, *args: str):
     """`ddp train CONFIG --dry-run` in this process; `args` come last, so their --set wins."""
     registry, sets = tiny
-    return CliRunner().invoke(app, ["train", config, "--dry-run", "--json", "--registry", registry,
-                                    *sets, *args], env=CLI_ENV)
+    return ddp_in_process("train", config, "--dry-run", "--json", "--registry", registry, *sets, *args)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_plans(tiny, config):
-    registry, sets = tiny
-    plan = last_json(run_ddp("train", str(config), "--dry-run", "--json", "--registry", registry, *sets,
-                             timeout=120))
+    result = dry_run(tiny, str(config))
+    plan = last_json(result)
     assert plan["splits"] == {"train": 24, "val": 7} and plan["classes"] == 3
     assert plan["parameters"] > 0 and plan["steps_per_epoch"] >= 1
     assert plan["global_batch"] == plan["world_size"] * 2 * 1
@@ -57,8 +49,7 @@ def test_every_shipped_config_plans(tiny, config):
 
 def test_the_fast_recipe_plans_its_ramp_and_its_lr(tiny):
     result = dry_run(tiny, str(REPO / "configs/resnet50-fast.toml"))
-    assert result.exit_code == 0, result.output
-    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    plan = last_json(result)
     assert plan["image_size"] == {"train from epoch 1": 160, "train from epoch 33": 192, "val": 256}
     assert plan["lr"] == pytest.approx(0.10625 * 2 / 256)
     native = resolve_precision("auto", torch.device("cpu"))  # "auto" resolved for this machine
@@ -71,14 +62,13 @@ def test_the_fast_recipe_plans_its_ramp_and_its_lr(tiny):
 def test_every_model_the_issue_names_plans(tiny, model):
     size = ["--set", "data.image_size=299", "--set", "data.val_resize=342"] if model == "inception_v3" else []
     result = dry_run(tiny, str(REPO / "configs/resnet50.toml"), "--set", f"model.name={model}", *size)
-    assert result.exit_code == 0, result.output
-    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    plan = last_json(result)
     assert plan["model"] == model and plan["parameters"] > 500_000
 
 
 def test_powersgd_plan_shows_its_warmup(tiny):
     result = dry_run(tiny, str(REPO / "configs/demo.toml"), "--set", 'distributed.reduce="powersgd"')
-    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    plan = last_json(result)
     assert plan["reduce"] == "powersgd"
     assert plan["powersgd_warmup_steps"] == max(2, plan["total_steps"] // 10)
 
@@ -86,8 +76,7 @@ def test_powersgd_plan_shows_its_warmup(tiny):
 def test_auto_loader_workers_are_resolved_and_explained(tiny):
     result = dry_run(tiny, str(REPO / "configs/demo.toml"), "--set", "data.workers=auto",
                      "--set", "data.prefetch_factor=auto", "--set", "distributed.nproc_per_node=1")
-    assert result.exit_code == 0, result.output
-    choice = json.loads(result.stdout.strip().splitlines()[-1])["data_workers"]
+    choice = last_json(result)["data_workers"]
     assert choice["cores_per_rank"] == cores_per_rank(1) and choice["decode_ms"] > 0
     assert choice["workers"] == choose_workers(choice["cores_per_rank"], "cpu", choice["decode_ms"],
                                                choice.get("model_ms"))[0]
