@@ -9,7 +9,8 @@ shards at a time (sampler.py), so a shard's images are read within a short span
 and the cache need only hold a few windows of shards: it keeps the `keep` most
 recently downloaded and deletes the rest (a reader that still has one open keeps
 reading it: POSIX unlinks lazily; one that needs it again downloads it again).
-Downloads go to a temporary file renamed into place, under a per-shard lock:
+Downloads (s3_download.py: botocore's synchronous client, the cheapest in CPU)
+go to a temporary file renamed into place, under a per-shard lock:
 every process of the node waits for the one download instead of starting its
 own, and none ever reads half a shard.
 """
