@@ -555,6 +555,7 @@ def datasets_index(
 
     emit(result, as_json, human)
 
+
 RoundsOpt = Annotated[int, typer.Option(min=1, help="Alternating rounds (noise hits every variant).")]
 
 

@@ -114,12 +114,7 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
         "dataset": name,
         "split": split,
         "files": len(table),
-        "workers": workers,
-        "batch_size": batch_size,
-        "image_size": image_size,
-        "seconds": seconds,
-        "rounds": rounds,
-        "machine": machine(),
+        **set_up(workers, batch_size, image_size, seconds, rounds),
         "rows": [{"policy": p, "pipeline": pipeline, "images": totals[p, pipeline][0],
                   "seconds": totals[p, pipeline][1], "images_per_second": rate,
                   "vs_none": rate / rates["none", pipeline] if "none" in policies else None}
@@ -127,6 +122,12 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
         "ratios": ratios,  # ddp over the baseline, per policy
         "ratio": ratios[policies[0]],
     }
+
+
+def set_up(workers: int, batch_size: int, image_size: int, seconds: float, rounds: int) -> dict:
+    """The keys every data bench reports its set-up with, the machine's included."""
+    return {"workers": workers, "batch_size": batch_size, "image_size": image_size, "seconds": seconds,
+            "rounds": rounds, "machine": machine()}
 
 
 def both_pipelines(fs: fsspec.AbstractFileSystem, root: str, table: Split, image_size: int,

@@ -10,9 +10,9 @@ each rate the total images over the total timed seconds; the ratios are each
 row over the first row, measured in the same run. Each row also gives its
 ratio in every round (over the first row's rate in that round) and their
 median: a burst of load on a shared machine that hits one round moves the
-totals, not the median. The order turns by one row each round, so no row
-always follows the same one (e.g. the S3 shards row, whose cache writes
-leave the kernel writing back while the next row is timed).
+totals, not the median. The order turns by one row each round, so whatever
+a row leaves behind (its loader processes exiting, its cache being deleted)
+falls on every row in turn, not always on the same one.
 
 `--latency-ms` puts the fault proxy (`faultproxy.py`) in front of each S3
 endpoint, adding a first-byte latency to every request, so that loopback
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from ddp_cli.bench.data import machine
+from ddp_cli.bench.data import set_up
 from ddp_cli.bench.faultproxy import Faults, ProxyProcess
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.augment import train_transform
@@ -128,12 +128,7 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
         "bench": "data-storage",
         "datasets": names,
         "latency_ms": latency_ms,
-        "workers": workers,
-        "batch_size": batch_size,
-        "image_size": image_size,
-        "seconds": seconds,
-        "rounds": rounds,
-        "machine": machine(),
+        **set_up(workers, batch_size, image_size, seconds, rounds),
         "rows": [{"dataset": r.dataset, "storage": r.storage, "images": r.images, "seconds": r.seconds,
                   "images_per_second": r.images / r.seconds, "ratio": r.images / r.seconds / first,
                   "round_ratios": r.ratios_to(rows[0]),

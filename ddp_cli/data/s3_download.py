@@ -3,16 +3,16 @@
 shard_reader.py downloads remote shards whole, in the loader processes, on the
 cores that decode, so every millisecond spent receiving is one not spent
 decoding. s3fs's `get_file` hands the body over 64 KiB per turn of its event
-loop; botocore's synchronous client reads it straight off the socket: 10.3 ms
+loop; botocore's synchronous client reads it straight off the socket: 10.5 ms
 of CPU per 8 MiB shard against 15.9 ms, on loopback (BENCHMARKS "Storage").
 
-The client is made from the options `storage.s3_filesystem` gives s3fs (profile
-or the default credential chain, anon, endpoint and region, botocore config
-with its retries off), so it asks the same endpoint as the same principal as s3fs does. Its
-errors are botocore's, which `retry.transient` and `storage.storage_error`
-read already; a missing key becomes FileNotFoundError, as s3fs makes it. The
-body's length and checksum are checked by botocore as it is read. Other
-filesystems (memory ones, in tests) use their `get_file`.
+The client is made from the options `storage.s3_filesystem` gives s3fs
+(profile or the default credential chain, anon, endpoint and region, botocore
+config with its retries off), so it asks the same endpoint as the same
+principal. Its errors are botocore's, which `retry.transient` and
+`storage.storage_error` read already; a missing key becomes FileNotFoundError,
+as s3fs makes it. botocore checks the body's length and checksum as it is
+read. Other filesystems (memory ones, in tests) use their `get_file`.
 """
 
 from __future__ import annotations
