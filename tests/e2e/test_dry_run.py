@@ -36,8 +36,7 @@ def dry_run(tiny, config: str, *args: str):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_plans(tiny, config):
-    result = dry_run(tiny, str(config))
-    plan = last_json(result)
+    plan = last_json(dry_run(tiny, str(config)))
     assert plan["splits"] == {"train": 24, "val": 7} and plan["classes"] == 3
     assert plan["parameters"] > 0 and plan["steps_per_epoch"] >= 1
     assert plan["global_batch"] == plan["world_size"] * 2 * 1

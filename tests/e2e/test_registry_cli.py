@@ -49,7 +49,7 @@ def test_seed_registry_shows_each_data_set_with_its_inferred_layout(seeds, name,
 
 def test_seed_registry_resolves_for_training(seeds):
     plan = last_json(ddp_in_process("train", DEMO, "--dry-run", "--json", "--registry", str(seeds),
-                             "--set", 'data.dataset="loc"', *TINY))
+                                    "--set", 'data.dataset="loc"', *TINY))
     assert plan["splits"] == {"train": 24, "val": 7} and plan["classes"] == 3
 
 
@@ -74,7 +74,7 @@ def test_unsafe_listing_row_stops_training_before_any_worker_with_exit_3(loc, tm
     registry = write_julia_registry(loc.parent, {"loc": loc})
     expected = f"error: {loc}/LOC_val_solution.csv: ImageId '../../../../secret': unsafe path"
     dry = ddp_in_process("train", DEMO, "--dry-run", "--registry", str(registry),
-                  "--set", 'data.dataset="loc"', *TINY)
+                         "--set", 'data.dataset="loc"', *TINY)
     assert dry.returncode == 3 and one_error_line(dry).startswith(expected)
     run_dir = tmp_path / "run"
     real = run_ddp("train", DEMO, "--registry", str(registry), "--run-dir", str(run_dir),
