@@ -5,7 +5,7 @@
 On 224 px RandomResizedCrops of the JPEGs under ROOT (benchmarks/make_jpegs.py),
 milliseconds per image, best of ROUNDS passes (same seeds each pass):
 
-- ddp: what the loaders run (`ddp_cli.data.augment`): v2's ops on v2's PIL
+- ddp: what the loaders run (`ddp_cli.data.pipeline.augment`): v2's ops on v2's PIL
   kernels, the uint8 crop to a PIL image and back included;
 - v2 tensor: the same v2 ops on the uint8 CHW tensor (no bicubic: v2's tensor
   geometry kernels take nearest and bilinear only);
@@ -25,7 +25,7 @@ from PIL import Image
 from torchvision import transforms as T
 
 from ddp_cli.config import AugmentConfig
-from ddp_cli.data.augment import Augmentation, compose, image_ops, policy
+from ddp_cli.data.pipeline.augment import Augmentation, compose, image_ops, policy
 
 CASES = [AugmentConfig(policy=name, interpolation=mode) for name in ("trivialaugment", "randaugment",
                                                                      "autoaugment")

@@ -19,7 +19,8 @@ from pathlib import Path
 import fsspec
 
 from ddp_cli.bench.metadata import write_metadata
-from ddp_cli.data.layouts import IndexTable, build_index
+from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.data.sources.table import IndexTable
 
 
 def timed(fn) -> tuple[float, object]:

@@ -18,10 +18,10 @@ import fsspec
 import webdataset as wds
 import wids
 
-from ddp_cli.data.layouts import build_index
-from ddp_cli.data.loaders import open_reader, read_row
-from ddp_cli.data.sampler import shard_order
-from ddp_cli.data.shards import read_index
+from ddp_cli.data.pipeline.loaders import open_reader, read_row
+from ddp_cli.data.pipeline.sampler import shard_order
+from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.data.sources.shards import read_index
 
 
 def main() -> None:

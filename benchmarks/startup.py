@@ -33,7 +33,7 @@ import numpy as np
 from PIL import Image
 
 from ddp_cli.bench.metadata import write_metadata
-from ddp_cli.data.layouts import LOC_TRAIN_LIST
+from ddp_cli.data.sources.imagenet_loc import LOC_TRAIN_LIST
 from ddp_cli.observe.sinks import read_metrics
 
 TRAIN, VAL = "ILSVRC/Data/CLS-LOC/train", "ILSVRC/Data/CLS-LOC/val"

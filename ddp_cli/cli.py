@@ -499,7 +499,7 @@ def datasets_pack(
     * `ddp datasets pack imagenet_local --to s3://my-bucket/imagenet-shards --json`
     """
     from ddp_cli import commands
-    from ddp_cli.data.pack import PackOptions
+    from ddp_cli.data.pack.writer import PackOptions
 
     split = one_of(split, ("train", "val", "all"), "--split")
     on_bad_image = one_of(on_bad_image, ("error", "skip"), "--on-bad-image")

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ddp_cli.config import RunConfig, TrainConfig, load_config
-from ddp_cli.data.inputs import expand_inputs, input_root
-from ddp_cli.data.layouts import SHARDS, IndexTable, build_index
-from ddp_cli.data.shards import describe as describe_shards
-from ddp_cli.data.shards import read_index
-from ddp_cli.data.storage import s3_filesystem
+from ddp_cli.data.fetch.storage import s3_filesystem
+from ddp_cli.data.sources.inputs import expand_inputs, input_root
+from ddp_cli.data.sources.layouts import SHARDS, build_index
+from ddp_cli.data.sources.shards import describe as describe_shards
+from ddp_cli.data.sources.shards import read_index
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import setup
 from ddp_cli.envinfo import machine
 from ddp_cli.errors import PEER_LOST, ConfigError, PeerLost, WorkerFailed
@@ -29,10 +30,10 @@ from ddp_cli.observe.startup import StartupClock
 from ddp_cli.plan import describe
 from ddp_cli.preflight import (
     Preflight,
+    choose_node_loaders,
     joined_workers,
     launch_workers,
     preflight,
-    resolve_loaders,
     validation_workers,
 )
 from ddp_cli.registry import DatasetEntry, load_registry
@@ -43,7 +44,7 @@ from ddp_cli.train.checkpoint import CheckpointStore
 from ddp_cli.train.trained import Trained, load_trained
 
 if TYPE_CHECKING:
-    from ddp_cli.data.pack import PackOptions
+    from ddp_cli.data.pack.writer import PackOptions
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -130,14 +131,11 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
     run's evaluation file (with --per-class) are written by rank 0."""
     single_threaded()
     trained = load_trained(job.checkpoint, job.weights, load_config(config) if config else None)
-    cfg = trained.cfg
-    if batch_size:
-        cfg.data.batch_size = batch_size
+    cfg = inference_config(trained, batch_size, dataset)
     workers, model = validation_workers(cfg, len(trained.classes), opts)
-    cfg.data.dataset = dataset or cfg.data.dataset
     stored = None if dataset or registry else DatasetEntry.model_validate(trained.dataset)
     entry, index = resolve_dataset(cfg, registry, trained.classes, ("val",), stored)
-    resolve_loaders(cfg, workers, entry, index, model, "val")
+    cfg = cfg.resolved(choose_node_loaders(cfg, workers, entry, index, model, "val").settings())
     job.checkpoint = str(Path(job.checkpoint).resolve())
     job.confusion, job.predictions = writable(job.confusion, "--confusion"), writable(job.predictions,
                                                                                     "--predictions")
@@ -145,6 +143,12 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
     result = run_inference(job, cfg, entry, index, workers.nproc, opts)
     files = {"confusion": job.confusion, "predictions": job.predictions, "evaluation": job.evaluation}
     return {**result, **{key: path for key, path in files.items() if path}}
+
+
+def inference_config(trained: Trained, batch_size: int | None, dataset: str | None) -> RunConfig:
+    """The checkpoint's config with the command's --batch-size and --dataset."""
+    changes = {"data.batch_size": batch_size} if batch_size else {}
+    return trained.cfg.resolved(changes | ({"data.dataset": dataset} if dataset else {}), str(trained.path))
 
 
 def run_inference(job: Job, cfg: RunConfig, entry: DatasetEntry, index: IndexTable, nproc: int,
@@ -189,12 +193,10 @@ def predict(job: Job, inputs: list[str], dataset: str | None, split: str, regist
     a bad image is an entry with its error."""
     single_threaded()
     trained = load_trained(job.checkpoint, job.weights)
-    cfg = trained.cfg
-    if batch_size:
-        cfg.data.batch_size = batch_size
+    cfg = inference_config(trained, batch_size, dataset)
     workers, model = validation_workers(cfg, len(trained.classes), opts)
     entry, index = predict_inputs(cfg, trained, inputs, dataset, split, registry)
-    resolve_loaders(cfg, workers, entry, index, model, "val")
+    cfg = cfg.resolved(choose_node_loaders(cfg, workers, entry, index, model, "val").settings())
     job.checkpoint = str(Path(job.checkpoint).resolve())
     result = run_inference(job, cfg, entry, index, workers.nproc, opts, keep="predictions.jsonl")
     return [json.loads(line) for line in result["predictions.jsonl"].splitlines()]
@@ -206,7 +208,6 @@ def predict_inputs(cfg: RunConfig, trained: Trained, inputs: list[str], dataset:
     if dataset:
         if inputs:
             raise ConfigError("INPUT and --dataset: give image files/folders or a data set split, not both")
-        cfg.data.dataset = dataset
         entry, index = resolve_dataset(cfg, registry, trained.classes, (split,))
         return entry, IndexTable(index.classes, index.descriptions, {"val": index.splits[split]})
     if not inputs:
@@ -246,7 +247,7 @@ def datasets_show(name: str, registry: str | None) -> dict[str, Any]:
 def datasets_check(name: str, registry: str | None, split: str, workers: int | None,
                    progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """`check_dataset` on the registry entry; `split` is train, val or all."""
-    from ddp_cli.data.check import check_dataset
+    from ddp_cli.data.pipeline.check import check_dataset
 
     splits = ("train", "val") if split == "all" else (split,)
     entry = load_registry(registry).get(name)
@@ -258,7 +259,7 @@ def datasets_check(name: str, registry: str | None, split: str, workers: int | N
 def datasets_pack(name: str, to: str, registry: str | None, split: str, opts: PackOptions, workers: int,
                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """`pack` the registry entry `name` into `to` (`split`: train, val or all)."""
-    from ddp_cli.data.pack import Source, pack, pack_index
+    from ddp_cli.data.pack.writer import Source, pack, pack_index
 
     splits = ("train", "val") if split == "all" else (split,)
     entry = load_registry(registry).get(name)
@@ -273,7 +274,7 @@ def datasets_pack(name: str, to: str, registry: str | None, split: str, opts: Pa
 def datasets_index(root: str, splits: dict[str, str], classes: str | None,
                    progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Index tar shards written by the webdataset library, so `layout = "shards"` reads them."""
-    from ddp_cli.data.wds_index import index_shards
+    from ddp_cli.data.pack.wds_index import index_shards
 
     return index_shards(root, splits, classes, progress)
 

@@ -28,7 +28,10 @@ from ddp_cli.errors import ConfigError, did_you_mean
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """A config section: unknown keys refused, and frozen. Preflight resolves a run's config once
+    (`RunConfig.resolved`); nothing edits it afterwards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class DataConfig(Section):
@@ -378,6 +381,29 @@ class RunConfig(Section):
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+
+    def resolved(self, changes: dict[str, Any], source: str = "resolved config") -> RunConfig:
+        """A validated copy with dotted keys changed (`{"data.workers": 3}`): how preflight and the
+        commands make "auto" concrete or apply a flag, the config itself being frozen."""
+        raw = self.model_dump(mode="json")
+        for key, value in changes.items():
+            *parents, leaf = key.split(".")
+            node = raw
+            for part in parents:
+                if not isinstance(node.get(part), dict):  # an unset optional section ([logging.wandb])
+                    node[part] = {}
+                node = node[part]
+            node[leaf] = value
+        return config_from_dict(raw, source)
+
+    def global_batch(self, world_size: int) -> int:
+        """Images per optimisation step: every worker's batch, times the micro-steps accumulated."""
+        return world_size * self.data.batch_size * self.train.grad_accum
+
+    def lr(self, world_size: int) -> float:
+        """The learning rate at this world size: `optim.lr`, else `optim.lr_per_256` scaled linearly
+        by the global batch."""
+        return self.optim.effective_lr(self.global_batch(world_size))
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ddp_cli import __version__
-from ddp_cli.data.transforms import MEAN, STD
+from ddp_cli.data.pipeline.transforms import MEAN, STD
 from ddp_cli.errors import ConfigError, require_extra
 from ddp_cli.io import atomic_write, write_text
 from ddp_cli.models import TINY, builder_kwargs, first_line
@@ -222,7 +222,7 @@ def model_card(trained: Trained, fmt: str, out: Path, sha256: str, size: int) ->
 
 
 def input_spec(trained: Trained, fmt: str) -> dict[str, Any]:
-    """Validation's preprocessing (ddp_cli.data.images.decode, transforms.ValTransform and
+    """Validation's preprocessing (ddp_cli.data.pipeline.images.decode, transforms.ValTransform and
     to_model_input), for a program that prepares images without ddp."""
     return {
         **({"name": ONNX_INPUT} if fmt == "onnx" else {}),

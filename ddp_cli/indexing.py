@@ -20,7 +20,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ddp_cli.config import RunConfig
-from ddp_cli.data.layouts import IndexTable, build_index
+from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError, DdpError
 from ddp_cli.registry import DatasetEntry, load_registry
 

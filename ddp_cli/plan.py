@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_cli.config import AugmentConfig, RunConfig
-from ddp_cli.data.augment import op_names
+from ddp_cli.data.pipeline.augment import op_names
 from ddp_cli.distributed.reduce import powersgd_warmup
 from ddp_cli.models import count_parameters
 from ddp_cli.preflight import Preflight

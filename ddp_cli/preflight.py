@@ -6,8 +6,9 @@ config the dry run accepts is one the workers accept, and one it refuses is
 refused by `train` with the same line. Each rule stays a function beside its
 subject (`choose_backend`, `resolve_precision`, `check_optimizer`,
 `count_steps`, `check_model`, ...); a worker that meets a rule again calls the
-same function. `Preflight` keeps what the checks computed: `plan.describe`
-prints it, `commands.train` hands it to the workers.
+same function. `Preflight` keeps what the checks computed, the config resolved
+among it ("auto" made concrete, paths made absolute) and frozen: `plan.describe`
+prints it, `commands.train` hands it to the workers, and nothing edits it after.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
-from ddp_cli.data.autotune import LoaderChoice, choose_loaders
-from ddp_cli.data.layouts import IndexTable
+from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_loaders
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.indexing import IndexBuild
@@ -53,7 +54,7 @@ class Workers:
 class Preflight:
     """A run that passed every check, and what the checks computed on the way."""
 
-    cfg: RunConfig
+    cfg: RunConfig  # resolved: what the workers run
     entry: DatasetEntry
     index: IndexTable
     model: nn.Module  # on the meta device: real shapes, no memory
@@ -96,14 +97,15 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     check_sinks(cfg.logging)
     entry, index = build.result()
     startup.mark("index")
-    model = checked_model(cfg, len(index.classes))
+    cfg = with_weights_path(cfg)
+    model = check_model(cfg, len(index.classes))
     startup.mark("model_check")
-    loaders = resolve_loaders(cfg, workers, entry, index, model, "train")
+    loaders = choose_node_loaders(cfg, workers, entry, index, model, "train")
+    cfg = cfg.resolved(loaders.settings())
     startup.mark("data_workers")
-    global_batch = workers.world_size * cfg.data.batch_size * cfg.train.grad_accum
     batches = len(index.splits["train"]) // workers.world_size // cfg.data.batch_size  # as a rank's loader
     return Preflight(cfg, entry, index, model, workers, loaders, resume, count_steps(batches, cfg.train),
-                     global_batch, cfg.optim.effective_lr(global_batch))
+                     cfg.global_batch(workers.world_size), cfg.lr(workers.world_size))
 
 
 def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) -> tuple[Workers, nn.Module]:
@@ -111,14 +113,13 @@ def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) ->
     return launch_workers(cfg, opts), check_model(cfg, num_classes)
 
 
-def resolve_loaders(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index: IndexTable,
-                    model: nn.Module, split: str) -> LoaderChoice:
-    """`choose_loaders` for this node, written into the config: the workers read concrete numbers."""
+def choose_node_loaders(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index: IndexTable,
+                        model: nn.Module, split: str) -> LoaderChoice:
+    """`choose_loaders` for this node's workers; `LoaderChoice.settings()` resolves the config with it,
+    so the workers read concrete numbers."""
     fs, root = entry.open()
-    choice = choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split],
-                            model, train=split == "train", augment=cfg.augment)
-    cfg.data.workers, cfg.data.prefetch_factor = choice.workers, choice.prefetch_factor
-    return choice
+    return choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split],
+                          model, train=split == "train", augment=cfg.augment)
 
 
 def checked_resume(resume: str) -> str:
@@ -130,12 +131,12 @@ def checked_resume(resume: str) -> str:
     return str(Path(resume).resolve())
 
 
-def checked_model(cfg: RunConfig, num_classes: int) -> nn.Module:
-    """`check_model`, with a `model.weights` file made absolute: workers and later resumes may start
+def with_weights_path(cfg: RunConfig) -> RunConfig:
+    """The config with a `model.weights` file made absolute: workers and later resumes may start
     elsewhere (a torchvision weight name stays a name)."""
     if cfg.model.weights and not is_weight_name(cfg.model.weights):
-        cfg.model.weights = str(Path(cfg.model.weights).expanduser().resolve())
-    return check_model(cfg, num_classes)
+        return cfg.resolved({"model.weights": str(Path(cfg.model.weights).expanduser().resolve())})
+    return cfg
 
 
 def check_sync_batchnorm(cfg: ModelConfig, device: str) -> None:

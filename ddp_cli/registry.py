@@ -20,7 +20,7 @@ import fsspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ddp_cli.config import describe_validation_error
-from ddp_cli.data.layouts import KNOWN_LAYOUTS, infer_layout
+from ddp_cli.data.sources.layouts import KNOWN_LAYOUTS, infer_layout
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 
 DRIVERS = ("FileSystem", "S3")
@@ -84,12 +84,12 @@ class DatasetEntry(BaseModel):
     def _root(self) -> tuple[fsspec.AbstractFileSystem, str]:
         """The filesystem and root path; builds a generated data set on first use."""
         if self.storage.driver == "S3":
-            from ddp_cli.data.storage import s3_filesystem
+            from ddp_cli.data.fetch.storage import s3_filesystem
 
             return s3_filesystem(self.storage)
         root = self.storage.path
         if self.generator == "sklearn-digits":
-            from ddp_cli.data.demo import ensure_demo
+            from ddp_cli.data.sources.demo import ensure_demo
 
             ensure_demo(Path(root))
         if not Path(root).is_dir():

@@ -60,7 +60,7 @@ def last_json(result: subprocess.CompletedProcess):
 
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory) -> Path:
-    from ddp_cli.data.demo import ensure_demo
+    from ddp_cli.data.sources.demo import ensure_demo
 
     return ensure_demo(tmp_path_factory.mktemp("demo") / "demo")
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ddp_cli.config import RunConfig, config_from_dict
-from ddp_cli.data.loaders import Loaders
+from ddp_cli.data.pipeline.loaders import Loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.models import build_model
 from ddp_cli.run.worker import assert_identical_across_ranks

@@ -36,12 +36,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import transforms as T
 
 from ddp_cli.config import AugmentConfig, DataConfig
-from ddp_cli.data.augment import policy, train_transform
-from ddp_cli.data.layouts import build_index
-from ddp_cli.data.loaders import ImageDataset
-from ddp_cli.data.packed import Split
-from ddp_cli.data.storage import FileReader
-from ddp_cli.data.transforms import MEAN, STD, to_model_input
+from ddp_cli.data.fetch.storage import FileReader
+from ddp_cli.data.pipeline.augment import policy, train_transform
+from ddp_cli.data.pipeline.loaders import ImageDataset
+from ddp_cli.data.pipeline.transforms import MEAN, STD, to_model_input
+from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.data.sources.packed import Split
 from ddp_cli.errors import ConfigError
 from ddp_cli.registry import load_registry
 

@@ -80,7 +80,7 @@ def run_ddp(config: Path, registry: Path, cfg: RunConfig, run_dir: Path, target:
 def run_baseline(root: str, cfg: RunConfig, workers: int, target: float) -> dict:
     """The torchrun script with ddp's recipe translated into its arguments."""
     data, optim = cfg.data, cfg.optim
-    lr = optim.effective_lr(workers * data.batch_size * cfg.train.grad_accum)
+    lr = cfg.lr(workers)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={workers}", "-m", "ddp_cli.bench.e2e_baseline", "--root", root,
                "--model", cfg.model.name, "--epochs", str(cfg.train.epochs),

@@ -29,7 +29,7 @@ from torchvision import datasets
 from torchvision import transforms as T
 
 from ddp_cli.config import ModelConfig
-from ddp_cli.data.transforms import MEAN, STD
+from ddp_cli.data.pipeline.transforms import MEAN, STD
 from ddp_cli.models import build_model
 
 IMAGES = Path("ILSVRC/Data/CLS-LOC")

@@ -38,11 +38,12 @@ from PIL import Image
 from ddp_cli.bench.data import machine
 from ddp_cli.bench.metadata import TRAIN_IMAGES, write_metadata
 from ddp_cli.config import DataConfig
-from ddp_cli.data.layouts import IndexTable, build_index
-from ddp_cli.data.loaders import ImageDataset, make_loader
-from ddp_cli.data.sampler import ShardSampler
-from ddp_cli.data.storage import FileReader
-from ddp_cli.data.transforms import ValTransform
+from ddp_cli.data.fetch.storage import FileReader
+from ddp_cli.data.pipeline.loaders import ImageDataset, make_loader
+from ddp_cli.data.pipeline.sampler import ShardSampler
+from ddp_cli.data.pipeline.transforms import ValTransform
+from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import DdpError
 
 SIDE = 8  # decoded and cropped per item: the pass is about the index, not the pixels

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp_cli.data.layouts import LOC_TRAIN_LIST
+from ddp_cli.data.sources.imagenet_loc import LOC_TRAIN_LIST
 
 TRAIN_IMAGES, VAL_IMAGES, CLASSES = 1_281_167, 50_000, 1000
 

@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_cli.bench.data import machine
 from ddp_cli.config import ModelConfig, RunConfig, apply_override
-from ddp_cli.data.loaders import Loaders
-from ddp_cli.data.transforms import MEAN, STD
+from ddp_cli.data.pipeline.loaders import Loaders
+from ddp_cli.data.pipeline.transforms import MEAN, STD
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.models import build_model, count_parameters
 from ddp_cli.run.loopback import run_workers

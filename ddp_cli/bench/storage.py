@@ -44,13 +44,13 @@ from torch.utils.data import DataLoader, Sampler
 from ddp_cli.bench.data import set_up
 from ddp_cli.bench.faultproxy import Faults, ProxyProcess
 from ddp_cli.config import AugmentConfig, DataConfig
-from ddp_cli.data.augment import train_transform
-from ddp_cli.data.layouts import build_index
-from ddp_cli.data.loaders import EpochItems, ImageDataset
-from ddp_cli.data.packed import Split
-from ddp_cli.data.retry import IoPolicy
-from ddp_cli.data.sampler import ShardSampler
-from ddp_cli.data.transforms import to_model_input
+from ddp_cli.data.fetch.retry import IoPolicy
+from ddp_cli.data.pipeline.augment import train_transform
+from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset
+from ddp_cli.data.pipeline.sampler import ShardSampler
+from ddp_cli.data.pipeline.transforms import to_model_input
+from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.data.sources.packed import Split
 from ddp_cli.errors import ConfigError
 from ddp_cli.registry import DatasetEntry, load_registry
 

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_cli.config import RunConfig
-from ddp_cli.data.layouts import IndexTable
-from ddp_cli.data.loaders import build_loaders, eval_loader
+from ddp_cli.data.pipeline.loaders import build_loaders, eval_loader
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.heartbeat import Heartbeat, describe_loss
 from ddp_cli.distributed.setup import DistContext, seed_everything, setup, teardown
 from ddp_cli.distributed.signals import StopRequest, control_group

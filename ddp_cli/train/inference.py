@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_cli.data.loaders import requested, skipped_files
-from ddp_cli.data.transforms import to_model_input
+from ddp_cli.data.pipeline.loaders import requested, skipped_files
+from ddp_cli.data.pipeline.transforms import to_model_input
 from ddp_cli.errors import DataError
 from ddp_cli.train.metrics import DEFAULT_TOPK, EvalTotals
 from ddp_cli.train.precision import autocast

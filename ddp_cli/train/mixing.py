@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 from ddp_cli.config import AugmentConfig
-from ddp_cli.data.seeds import MIXING, derived_seed
+from ddp_cli.data.pipeline.seeds import MIXING, derived_seed
 
 
 def partners(size: int, device: torch.device) -> torch.Tensor:

@@ -50,8 +50,8 @@ class Trained:
 def load_trained(path: str | Path, weights: Weights = "model", cfg: RunConfig | None = None) -> Trained:
     """Read `path` (safely, `load_checkpoint`); `cfg` replaces the checkpoint's own config."""
     state = load_checkpoint(path)
-    cfg = cfg or config_from_dict(state["config"], str(path))
-    cfg.model.weights = None  # the checkpoint's weights are used, not the run's starting point
+    cfg = (cfg or config_from_dict(state["config"], str(path))).resolved(
+        {"model.weights": None}, str(path))  # the checkpoint's weights are used, not the run's start
     if weights == "ema":
         if not state.get("ema"):
             raise ConfigError(f"--weights ema: {path} holds no EMA weights (the run had "

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig, TrainConfig
-from ddp_cli.data.loaders import Loaders, skipped_files
-from ddp_cli.data.retry import retries_so_far
-from ddp_cli.data.transforms import to_model_input
+from ddp_cli.data.fetch.retry import retries_so_far
+from ddp_cli.data.pipeline.loaders import Loaders, skipped_files
+from ddp_cli.data.pipeline.transforms import to_model_input
 from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.errors import ConfigError, DivergedError
@@ -80,12 +80,12 @@ class Trainer:
         self.metrics, self.console = metrics, console or RunConsole(False)
         self.startup = startup or StartupClock()
         self.accum = cfg.train.grad_accum
-        self.global_batch = ctx.world_size * cfg.data.batch_size * self.accum
+        self.global_batch = cfg.global_batch(ctx.world_size)
         model = place(model, cfg.model, ctx.device)
         self.ema = EmaModel(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.model = replicate(model, cfg.distributed, ctx.device, steps_per_epoch * cfg.train.epochs)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
-        self.lr = cfg.optim.effective_lr(self.global_batch)
+        self.lr = cfg.lr(ctx.world_size)
         self.optimizer = build_optimizer(cfg.optim, self.model.module, self.lr, cfg.model)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps_per_epoch,
                                          steps_per_epoch * cfg.train.epochs)
@@ -281,7 +281,7 @@ class Trainer:
         if self.ema and saved.get("ema") is None:  # the run had no EMA so far: average from here on
             self.ema.restart(self.model.module)
         saved_world = len(saved["rng"])
-        saved_batch = saved.get("global_batch") or saved_world * self.cfg.data.batch_size * self.accum
+        saved_batch = saved.get("global_batch") or self.cfg.global_batch(saved_world)
         if not saved.get("samples_in_epoch"):  # written before the field existed
             self.state.samples_in_epoch = self.state.step_in_epoch * saved_batch
         if saved_world != self.ctx.world_size or saved_batch != self.global_batch:

@@ -74,8 +74,8 @@ def test_loaders_pin_memory_on_cuda_and_batches_reach_the_device(demo_registry):
     """The loaders a worker builds pin memory on CUDA; a batch arrives pinned and lands on the GPU
     (non_blocking copy) with the same values as on the CPU."""
     from ddp_cli.config import config_from_dict
-    from ddp_cli.data.loaders import build_loaders
-    from ddp_cli.data.transforms import to_model_input
+    from ddp_cli.data.pipeline.loaders import build_loaders
+    from ddp_cli.data.pipeline.transforms import to_model_input
     from ddp_cli.indexing import resolve_dataset
 
     raw = tomllib.loads((REPO / "configs/demo.toml").read_text())

@@ -13,9 +13,9 @@ from synthetic import make_imagenet_loc, plant, write_registry
 from torch.utils.data import DataLoader
 
 from ddp_cli.config import ModelConfig
-from ddp_cli.data.layouts import build_index
-from ddp_cli.data.loaders import ImageDataset
-from ddp_cli.data.transforms import ValTransform
+from ddp_cli.data.pipeline.loaders import ImageDataset
+from ddp_cli.data.pipeline.transforms import ValTransform
+from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.models import build_model
 from ddp_cli.train.inference import evaluate
 

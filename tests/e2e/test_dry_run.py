@@ -9,7 +9,7 @@ import torch
 from conftest import REPO, ddp_in_process, last_json
 from synthetic import make_imagenet_loc, write_registry
 
-from ddp_cli.data.autotune import choose_prefetch, choose_workers, cores_per_rank
+from ddp_cli.data.pipeline.autotune import choose_prefetch, choose_workers, cores_per_rank
 from ddp_cli.train.precision import resolve_precision
 
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))

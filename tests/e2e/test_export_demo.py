@@ -18,9 +18,9 @@ from conftest import last_json, run_ddp
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from ddp_cli.data.layouts import build_index
-from ddp_cli.data.loaders import ImageDataset
-from ddp_cli.data.transforms import ValTransform, to_model_input
+from ddp_cli.data.pipeline.loaders import ImageDataset
+from ddp_cli.data.pipeline.transforms import ValTransform, to_model_input
+from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.export import export_checkpoint
 from ddp_cli.registry import load_registry
 

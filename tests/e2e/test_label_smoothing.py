@@ -11,7 +11,7 @@ import pytest
 import torch
 from replicas import CLASSES, global_batch, make_config, make_trainer
 
-from ddp_cli.data.transforms import to_model_input
+from ddp_cli.data.pipeline.transforms import to_model_input
 from ddp_cli.run.loopback import run_workers
 
 SMOOTHING = [0.0, 0.1, 0.3]

@@ -17,9 +17,9 @@ from synthetic import make_imagefolder, plant, write_registry
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
-from ddp_cli.data.pack import Packer
-from ddp_cli.data.pack_dest import Destination
-from ddp_cli.data.shards import INDEX, read_index, read_samples
+from ddp_cli.data.pack.destination import Destination
+from ddp_cli.data.pack.writer import Packer
+from ddp_cli.data.sources.shards import INDEX, read_index, read_samples
 
 s3_endpoint, aws = test_s3.s3_endpoint, test_s3.aws  # the loopback S3 server and fake credentials
 BUCKET = "ddp-pack-test"

@@ -20,7 +20,7 @@ from synthetic import make_imagenet_loc, plant, write_registry
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
-from ddp_cli.data.storage import FileReader, cache_folder
+from ddp_cli.data.fetch.storage import FileReader, cache_folder
 from ddp_cli.errors import DataError
 from ddp_cli.registry import load_registry
 
@@ -77,7 +77,7 @@ def aws(monkeypatch):
 
 def clear_instance_caches() -> None:
     """s3fs keeps one filesystem (and its credentials) per set of options, per class."""
-    from ddp_cli.data.s3fs_once import S3FileSystemOnce
+    from ddp_cli.data.fetch.s3fs_once import S3FileSystemOnce
 
     s3fs.S3FileSystem.clear_instance_cache()
     S3FileSystemOnce.clear_instance_cache()
@@ -339,10 +339,10 @@ def test_a_batch_of_s3_objects_is_read_together_and_loads_as_one_by_one(s3_regis
     """`__getitems__` (what the DataLoader calls) reads a batch's objects concurrently, then makes each
     item as `__getitem__` does: same pixels, same seeds, the same bad-file handling (skip and error)."""
     from ddp_cli.config import AugmentConfig, DataConfig
-    from ddp_cli.data.augment import train_transform
-    from ddp_cli.data.layouts import build_index
-    from ddp_cli.data.loaders import EpochItems, ImageDataset
-    from ddp_cli.data.retry import IoPolicy
+    from ddp_cli.data.fetch.retry import IoPolicy
+    from ddp_cli.data.pipeline.augment import train_transform
+    from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset
+    from ddp_cli.data.sources.layouts import build_index
 
     proxy, registry = through(latency_ms=30)
     entry = load_registry(registry).get("s3faulty")
@@ -379,9 +379,9 @@ def blobs(s3_registry, s3_endpoint, aws):
 
 
 def shard_reader(endpoint: str, cache: Path, retries: int):
-    from ddp_cli.data.retry import IoPolicy
-    from ddp_cli.data.shard_reader import ShardReader
-    from ddp_cli.data.storage import S3Location, s3_filesystem
+    from ddp_cli.data.fetch.retry import IoPolicy
+    from ddp_cli.data.fetch.shard_reader import ShardReader
+    from ddp_cli.data.fetch.storage import S3Location, s3_filesystem
 
     fs, root = s3_filesystem(S3Location(f"s3://{BUCKET}/blobs", endpoint_url=endpoint))
     return ShardReader(fs, root, cache, policy=IoPolicy(retries=retries, wait_s=0.001))
@@ -407,7 +407,7 @@ def test_a_shard_download_that_fails_transiently_is_retried_counted_and_whole(bl
     """Half the GETs refused (503 SlowDown, or the connection reset): each refusal is one counted retry,
     none hidden in botocore, and every shard arrives whole."""
     from ddp_cli.bench.faultproxy import FaultProxy, Faults
-    from ddp_cli.data.retry import count_retries, retries_so_far
+    from ddp_cli.data.fetch.retry import count_retries, retries_so_far
 
     count_retries()
     with FaultProxy(s3_endpoint, Faults(fail_rate=0.5, drop_share=0.5, seed=3)) as proxy:

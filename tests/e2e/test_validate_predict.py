@@ -85,8 +85,8 @@ def test_per_class_and_confusion_agree_with_the_saved_probabilities(validated):
 
 def test_saved_probabilities_belong_to_the_files_they_name(validated, trained_demo):
     """Two rows recomputed from their image files with the checkpoint's weights."""
-    from ddp_cli.data.images import open_image
-    from ddp_cli.data.transforms import ValTransform, to_model_input
+    from ddp_cli.data.pipeline.images import open_image
+    from ddp_cli.data.pipeline.transforms import ValTransform, to_model_input
     from ddp_cli.train.trained import load_trained
 
     trained = load_trained(trained_demo / "checkpoints" / "last.pt")

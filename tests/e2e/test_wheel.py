@@ -70,7 +70,8 @@ def test_wheel_installs_inits_and_trains_the_demo_outside_the_checkout(tmp_path)
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    packaged = {"ddp_cli/templates/demo.toml", "ddp_cli/templates/data.toml", "ddp_cli/data/digits.csv.gz"}
+    packaged = {"ddp_cli/templates/demo.toml", "ddp_cli/templates/data.toml",
+                "ddp_cli/data/sources/digits.csv.gz"}
     assert packaged <= set(names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "License-Expression: MIT" in metadata and "Provides-Extra: s3" in metadata

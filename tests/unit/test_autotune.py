@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ddp_cli.config import DataConfig, config_from_dict
-from ddp_cli.data.autotune import choose_loaders, choose_prefetch, choose_workers
-from ddp_cli.data.packed import Split
+from ddp_cli.data.pipeline.autotune import choose_loaders, choose_prefetch, choose_workers
+from ddp_cli.data.sources.packed import Split
 from ddp_cli.errors import ConfigError
 from ddp_cli.observe.startup import STARTUP_ENV, StartupClock
 

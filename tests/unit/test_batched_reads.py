@@ -15,12 +15,12 @@ from fsspec.implementations.memory import MemoryFileSystem
 from synthetic import make_imagefolder, make_imagenet_loc, plant
 
 from ddp_cli.config import AugmentConfig, DataConfig
-from ddp_cli.data import retry
-from ddp_cli.data.augment import train_transform
-from ddp_cli.data.layouts import build_index, infer_layout
-from ddp_cli.data.loaders import EpochItems, ImageDataset
-from ddp_cli.data.retry import IoPolicy
-from ddp_cli.data.storage import FileReader
+from ddp_cli.data.fetch import retry
+from ddp_cli.data.fetch.retry import IoPolicy
+from ddp_cli.data.fetch.storage import FileReader
+from ddp_cli.data.pipeline.augment import train_transform
+from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset
+from ddp_cli.data.sources.layouts import build_index, infer_layout
 from ddp_cli.errors import DataError
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tomllib
 
 import pytest
+from pydantic import ValidationError
 
 from ddp_cli.config import RunConfig, apply_override, config_from_dict, load_config
 from ddp_cli.errors import ConfigError
@@ -164,3 +165,27 @@ def test_to_toml_round_trips(raw):
     again = config_from_dict(tomllib.loads(text))
     assert again == cfg
     assert again.model_dump() == cfg.model_dump()
+
+
+def test_the_config_is_frozen_and_resolved_only_as_a_validated_copy():
+    cfg = config_from_dict({"data": {"batch_size": 16, "workers": "auto"}, "train": {"grad_accum": 2}})
+    for section, key, value in (("data", "workers", 3), ("optim", "lr", 0.5), ("train", "epochs", 9)):
+        with pytest.raises(ValidationError, match="frozen"):
+            setattr(getattr(cfg, section), key, value)
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.name = "other"
+    resolved = cfg.resolved({"data.workers": 3, "logging.wandb.project": "p"})
+    assert (resolved.data.workers, resolved.logging.wandb.project, cfg.data.workers) == (3, "p", "auto")
+    with pytest.raises(ConfigError, match="data.workers"):
+        cfg.resolved({"data.workers": -1})
+
+
+@pytest.mark.parametrize(("raw", "world", "batch", "lr"), [
+    ({"data": {"batch_size": 16}, "train": {"grad_accum": 2}, "optim": {"lr_per_256": 0.1}}, 4, 128, 0.05),
+    ({"data": {"batch_size": 32}, "optim": {"lr_per_256": 0.2}}, 3, 96, 0.075),
+    ({"data": {"batch_size": 32}, "optim": {"lr": 0.3, "lr_per_256": 0.2}}, 8, 256, 0.3),  # absolute wins
+])
+def test_global_batch_and_the_lr_rule(raw, world, batch, lr):
+    cfg = config_from_dict(raw)
+    assert cfg.global_batch(world) == batch
+    assert cfg.lr(world) == pytest.approx(lr)

@@ -11,7 +11,7 @@ from synthetic import make_imagenet_loc, plant, write_registry
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
-from ddp_cli.data.check import check_dataset
+from ddp_cli.data.pipeline.check import check_dataset
 from ddp_cli.registry import load_registry
 
 runner = CliRunner()

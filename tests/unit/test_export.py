@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from ddp_cli.cli import app
 from ddp_cli.config import RunConfig
-from ddp_cli.data.transforms import MEAN, STD
+from ddp_cli.data.pipeline.transforms import MEAN, STD
 from ddp_cli.train.checkpoint import save_checkpoint, write_manifest
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}

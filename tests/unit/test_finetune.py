@@ -28,7 +28,7 @@ from ddp_cli.models import (
     load_weights,
     tensors_on_meta,
 )
-from ddp_cli.preflight import checked_model
+from ddp_cli.preflight import with_weights_path
 from ddp_cli.train.large_batch import Lamb, Lars
 from ddp_cli.train.optim import build_optimizer, param_groups
 from ddp_cli.train.schedules import build_scheduler, lr_factor
@@ -108,8 +108,8 @@ def test_a_planted_file_loads_with_a_new_head_and_stays_a_name(torch_home):
     plant(hub_file(torch_home, weights), on_meta(torchvision.models.squeezenet1_1))
     with pytest.raises(ConfigError, match="1000-class head, the data set has 10 classes"):
         check_model(config("squeezenet1_1", weights="DEFAULT"), 10)
-    cfg = config("squeezenet1_1", weights="DEFAULT", new_head=True)
-    checked_model(cfg, 10)
+    cfg = with_weights_path(config("squeezenet1_1", weights="DEFAULT", new_head=True))
+    check_model(cfg, 10)
     assert cfg.model.weights == "DEFAULT"  # not made a path: the workers resolve it in their own cache
     torch.manual_seed(0)
     model = build_model(cfg.model, 10)

@@ -12,10 +12,9 @@ from PIL import Image
 from torch.utils.data import default_collate
 from torchvision.transforms import CenterCrop, RandomResizedCrop, Resize
 
-from ddp_cli.data.images import BadImage, decode, decode_rgb, open_image
-from ddp_cli.data.loaders import ImageDataset, requested, skipped_files
-from ddp_cli.data.packed import Split
-from ddp_cli.data.transforms import (
+from ddp_cli.data.pipeline.images import BadImage, decode, decode_rgb, open_image
+from ddp_cli.data.pipeline.loaders import ImageDataset, requested, skipped_files
+from ddp_cli.data.pipeline.transforms import (
     MEAN,
     STD,
     TrainTransform,
@@ -23,6 +22,7 @@ from ddp_cli.data.transforms import (
     random_resized_crop,
     to_model_input,
 )
+from ddp_cli.data.sources.packed import Split
 
 
 def encode(img: Image.Image, fmt: str, **options) -> bytes:

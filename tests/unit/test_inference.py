@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_cli.config import RunConfig
-from ddp_cli.data.inputs import expand_inputs, input_root
+from ddp_cli.data.sources.inputs import expand_inputs, input_root
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.train.checkpoint import save_checkpoint
 from ddp_cli.train.inference import evaluate, predict
@@ -134,7 +134,7 @@ def test_input_roots_local_one_bucket_and_no_mixing():
 
 def evaluate_one_image(rank: int, world_size: int) -> dict:
     """A val split of one image over two ranks: rank 1 sees none."""
-    from ddp_cli.data.sampler import ShardSampler
+    from ddp_cli.data.pipeline.sampler import ShardSampler
 
     data = Images(1)
     loader = DataLoader(data, batch_size=4, sampler=ShardSampler(1, rank, world_size, shuffle=False))

@@ -9,6 +9,7 @@ distributed/, and neither knows models or observe.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.io",),
     ("ddp_cli.config", "ddp_cli.starter"),
     ("ddp_cli.config_view",),
-    ("ddp_cli.data", "ddp_cli.distributed", "ddp_cli.models", "ddp_cli.observe"),
+    # data/'s rooms: bytes from storage, the listing of a data set, the input pipeline, writing shards
+    ("ddp_cli.data", "ddp_cli.data.fetch"),
+    ("ddp_cli.data.sources",),
+    ("ddp_cli.data.pipeline",),
+    ("ddp_cli.data.pack", "ddp_cli.distributed", "ddp_cli.models", "ddp_cli.observe"),
     ("ddp_cli.registry",),
     ("ddp_cli.indexing",),
     ("ddp_cli.train",),
@@ -48,6 +53,7 @@ def layer_of(group: str) -> int:
     return next(i for i, layer in enumerate(LAYERS) if group in layer)
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -57,14 +63,23 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(path: Path) -> set[str]:
+def imports(path: Path, module: str = "") -> set[str]:
+    """Every ddp_cli module `path` imports, in any form: `import ddp_cli.x`, `from ddp_cli.x import y`,
+    `from ddp_cli import x` (x may be a module) and relative imports (`from .x import y`, resolved
+    against `module`, the importing module's name)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(name for alias in node.names if (name := f"{base}.{alias.name}") in modules())
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-    return {n for n in names if n == "ddp_cli" or n.startswith("ddp_cli.")}
+    return {n for n in names if n == "ddp_cli" or n.startswith("ddp_cli.")} - {module}
 
 
 def violations(module: str, targets: set[str]) -> list[str]:
@@ -81,13 +96,25 @@ def violations(module: str, targets: set[str]) -> list[str]:
 
 @pytest.mark.parametrize("module", sorted(modules()))
 def test_no_module_imports_a_layer_above_or_a_sibling(module):
-    assert violations(module, imports(modules()[module])) == []
+    assert violations(module, imports(modules()[module], module)) == []
 
 
 def test_the_rule_refuses_upward_and_sibling_imports():
-    assert violations("ddp_cli.data.check", {"ddp_cli.registry"})  # the data layer reading the registry
-    assert violations("ddp_cli.data.loaders", {"ddp_cli.distributed.setup"})  # siblings
+    assert violations("ddp_cli.data.pipeline.check", {"ddp_cli.registry"})  # data/ reading the registry
+    assert violations("ddp_cli.data.fetch.storage", {"ddp_cli.data.sources.table"})  # a room above
+    assert violations("ddp_cli.data.pipeline.loaders", {"ddp_cli.distributed.setup"})  # siblings
     assert violations("ddp_cli.train.trainer", {"ddp_cli.run.worker"})
     assert not violations("ddp_cli.run.worker", {"ddp_cli.train.trainer", "ddp_cli.run.jobs"})
     with pytest.raises(AssertionError, match="no layer"):
         group_of("ddp_cli.newthing")
+
+
+def test_every_import_form_is_read(tmp_path):
+    """`from ddp_cli import x` and relative imports are imports too (once a blind spot)."""
+    source = tmp_path / "m.py"
+    source.write_text("from ddp_cli import registry\nfrom ..sources import table\nfrom . import retry\n"
+                      "def f():\n    from ...run.worker import run_job\n")
+    found = imports(source, "ddp_cli.data.fetch.storage")
+    assert {"ddp_cli.registry", "ddp_cli.data.sources.table", "ddp_cli.data.fetch.retry",
+            "ddp_cli.run.worker"} <= found
+    assert violations("ddp_cli.data.fetch.storage", found)

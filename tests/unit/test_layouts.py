@@ -12,9 +12,11 @@ import pandas as pd
 import pytest
 from synthetic import make_imagefolder, make_imagenet_loc
 
-from ddp_cli.data import demo
-from ddp_cli.data.layouts import LOC_TRAIN_LIST, IndexTable, build_index, infer_layout
-from ddp_cli.data.packed import Split
+from ddp_cli.data.sources import demo
+from ddp_cli.data.sources.imagenet_loc import LOC_TRAIN_LIST
+from ddp_cli.data.sources.layouts import build_index, infer_layout
+from ddp_cli.data.sources.packed import Split
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError, DataError
 
 FS = fsspec.filesystem("file")

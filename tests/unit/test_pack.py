@@ -14,9 +14,9 @@ import webdataset as wds
 from PIL import Image
 from synthetic import append_line, make_imagenet_loc, plant, write_registry
 
-from ddp_cli.data.layouts import build_index
-from ddp_cli.data.pack import Packer, PackOptions, Source, pack, pack_index
-from ddp_cli.data.shards import INDEX, read_index, read_samples
+from ddp_cli.data.pack.writer import Packer, PackOptions, Source, pack, pack_index
+from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.data.sources.shards import INDEX, read_index, read_samples
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.registry import load_registry
 

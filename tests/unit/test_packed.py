@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from torch.utils.data import Dataset
 
-from ddp_cli.data.layouts import IndexTable
-from ddp_cli.data.loaders import ImageDataset, make_loader
-from ddp_cli.data.packed import PackedStrings, Split
-from ddp_cli.data.sampler import ShardSampler
-from ddp_cli.data.transforms import ValTransform
+from ddp_cli.data.pipeline.loaders import ImageDataset, make_loader
+from ddp_cli.data.pipeline.sampler import ShardSampler
+from ddp_cli.data.pipeline.transforms import ValTransform
+from ddp_cli.data.sources.packed import PackedStrings, Split
+from ddp_cli.data.sources.table import IndexTable
 
 NAMES = ["train/n01/a.JPEG", "", "val/ünïcødé/ß.jpg", "日本/画像.png", "odd\udcff", "x" * 300]
 

@@ -7,8 +7,8 @@ import pytest
 from synthetic import make_imagenet_loc
 
 from ddp_cli.config import DataConfig
-from ddp_cli.data.layouts import build_index
-from ddp_cli.data.loaders import build_loaders
+from ddp_cli.data.pipeline.loaders import build_loaders
+from ddp_cli.data.sources.layouts import build_index
 
 
 def test_ffcv_rule_for_resnet50_fast():

@@ -8,8 +8,8 @@ import pytest
 from aiohttp import ClientOSError, ServerDisconnectedError
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
-from ddp_cli.data import retry
-from ddp_cli.data.retry import IoPolicy, transient, with_retries
+from ddp_cli.data.fetch import retry
+from ddp_cli.data.fetch.retry import IoPolicy, transient, with_retries
 from ddp_cli.errors import DataError
 
 

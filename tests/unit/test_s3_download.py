@@ -11,7 +11,7 @@ import pytest
 from botocore import UNSIGNED
 from botocore.exceptions import ProfileNotFound
 
-from ddp_cli.data.s3_download import client
+from ddp_cli.data.fetch.s3_download import client
 
 
 class Options:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from ddp_cli.data.loaders import EpochItems
-from ddp_cli.data.sampler import ShardSampler, shard_order
+from ddp_cli.data.pipeline.loaders import EpochItems
+from ddp_cli.data.pipeline.sampler import ShardSampler, shard_order
 
 
 def samplers(n: int, world: int, shuffle: bool = True, batch: int = 1, repeats: int = 1,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from synthetic import make_imagenet_loc, write_registry
 
-from ddp_cli.data.layouts import build_index
-from ddp_cli.data.loaders import ImageDataset
-from ddp_cli.data.pack import PackOptions, Source, pack
-from ddp_cli.data.shard_reader import ShardReader
-from ddp_cli.data.transforms import ValTransform
+from ddp_cli.data.fetch.shard_reader import ShardReader
+from ddp_cli.data.pack.writer import PackOptions, Source, pack
+from ddp_cli.data.pipeline.loaders import ImageDataset
+from ddp_cli.data.pipeline.transforms import ValTransform
+from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.registry import load_registry
 
 
@@ -158,7 +158,7 @@ def test_remote_shards_are_downloaded_ahead_and_on_into_the_next_epoch(packed, t
     the epoch's end, on into the next epoch's (else every epoch began by waiting for its downloads)."""
     import numpy as np
 
-    from ddp_cli.data.sampler import shard_order
+    from ddp_cli.data.pipeline.sampler import shard_order
 
     memory, root, _ = remote_copy(packed)
     split = build_index(memory, root, "shards", splits=("train",)).splits["train"]

@@ -9,9 +9,10 @@ import fsspec
 import pytest
 from synthetic import append_line, encoded, image, make_imagenet_loc
 
-from ddp_cli.data.check import check_dataset
-from ddp_cli.data.layouts import LOC_TRAIN_LIST, build_index
-from ddp_cli.data.storage import UNSAFE_PATH, FileReader, UnsafePath
+from ddp_cli.data.fetch.storage import UNSAFE_PATH, FileReader, UnsafePath
+from ddp_cli.data.pipeline.check import check_dataset
+from ddp_cli.data.sources.imagenet_loc import LOC_TRAIN_LIST
+from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.errors import DataError
 
 FS = fsspec.filesystem("file")

@@ -20,8 +20,8 @@ from typing import TypeVar
 
 import fsspec
 
-from ddp_cli.data.retry import with_retries
-from ddp_cli.data.storage import S3Location, s3_filesystem, storage_error
+from ddp_cli.data.fetch.retry import with_retries
+from ddp_cli.data.fetch.storage import S3Location, s3_filesystem, storage_error
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.io import fsync_dir
 

@@ -23,13 +23,14 @@ from typing import Any
 
 import fsspec
 
-from ddp_cli.data.images import BadImage, decode
-from ddp_cli.data.layouts import SHARDS, SPLITS, build_index
-from ddp_cli.data.loaders import open_reader, read_row
-from ddp_cli.data.packed import Split
-from ddp_cli.data.shard_reader import ShardReader
-from ddp_cli.data.shards import read_index
-from ddp_cli.data.storage import FileReader
+from ddp_cli.data.fetch.shard_reader import ShardReader
+from ddp_cli.data.fetch.storage import FileReader
+from ddp_cli.data.pipeline.images import BadImage, decode
+from ddp_cli.data.pipeline.loaders import open_reader, read_row
+from ddp_cli.data.sources.layouts import SHARDS, build_index
+from ddp_cli.data.sources.packed import Split
+from ddp_cli.data.sources.shards import read_index
+from ddp_cli.data.sources.table import SPLITS
 
 CHUNK = 4096  # files in flight at once: a million futures would not fit in memory
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import fsspec
 
-from ddp_cli.data.layouts import IMAGE_EXTENSIONS
-from ddp_cli.data.packed import Split
+from ddp_cli.data.sources.packed import Split
+from ddp_cli.data.sources.table import IMAGE_EXTENSIONS
 from ddp_cli.errors import ConfigError, DataError
 
 S3 = "s3://"

@@ -23,9 +23,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ddp_cli.data.pack import Destination
-from ddp_cli.data.packed import PackedStrings
-from ddp_cli.data.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
+from ddp_cli.data.pack.writer import Destination
+from ddp_cli.data.sources.packed import PackedStrings
+from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
 from ddp_cli.errors import DataError
 
 KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")  # webdataset's base_plus_ext

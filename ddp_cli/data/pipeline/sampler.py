@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from ddp_cli.data.seeds import derived_seed
+from ddp_cli.data.pipeline.seeds import derived_seed
 
 
 def permutation(n: int, seed: int, epoch: int) -> torch.Tensor:

@@ -62,13 +62,14 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from ddp_cli.data.images import JPEG_MAGIC, BadImage, decode, open_image
-from ddp_cli.data.layouts import IndexTable, build_index
-from ddp_cli.data.loaders import fetch
-from ddp_cli.data.pack_dest import WORK, Destination
-from ddp_cli.data.packed import PackedStrings, Split
-from ddp_cli.data.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
-from ddp_cli.data.storage import FileReader
+from ddp_cli.data.fetch.storage import FileReader
+from ddp_cli.data.pack.destination import WORK, Destination
+from ddp_cli.data.pipeline.images import JPEG_MAGIC, BadImage, decode, open_image
+from ddp_cli.data.pipeline.loaders import fetch
+from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.data.sources.packed import PackedStrings, Split
+from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.io import HashingFile
 

@@ -28,9 +28,9 @@ from typing import BinaryIO
 
 import fsspec
 
-from ddp_cli.data.retry import IoPolicy, with_retries
-from ddp_cli.data.s3_download import download
-from ddp_cli.data.storage import (
+from ddp_cli.data.fetch.retry import IoPolicy, with_retries
+from ddp_cli.data.fetch.s3_download import download
+from ddp_cli.data.fetch.storage import (
     UNSAFE_PATH,
     UnsafePath,
     _is_local,

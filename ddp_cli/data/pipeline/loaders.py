@@ -20,16 +20,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_cli.config import AugmentConfig, DataConfig
-from ddp_cli.data.augment import train_transform
-from ddp_cli.data.images import BadImage, EncodedImage, open_image
-from ddp_cli.data.layouts import IndexTable
-from ddp_cli.data.packed import Split
-from ddp_cli.data.retry import IoPolicy, count_retries
-from ddp_cli.data.sampler import ShardSampler, shard_sequence
-from ddp_cli.data.seeds import derived_seed
-from ddp_cli.data.shard_reader import ShardReader
-from ddp_cli.data.storage import FileReader, UnsafePath
-from ddp_cli.data.transforms import ValTransform
+from ddp_cli.data.fetch.retry import IoPolicy, count_retries
+from ddp_cli.data.fetch.shard_reader import ShardReader
+from ddp_cli.data.fetch.storage import FileReader, UnsafePath
+from ddp_cli.data.pipeline.augment import train_transform
+from ddp_cli.data.pipeline.images import BadImage, EncodedImage, open_image
+from ddp_cli.data.pipeline.sampler import ShardSampler, shard_sequence
+from ddp_cli.data.pipeline.seeds import derived_seed
+from ddp_cli.data.pipeline.transforms import ValTransform
+from ddp_cli.data.sources.packed import Split
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import DataError
 
 SKIP_ATTEMPTS = 16

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ddp_cli.data.images import EncodedImage, decode
+from ddp_cli.data.pipeline.images import EncodedImage, decode
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)

@@ -17,17 +17,15 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fsspec
 import numpy as np
 
-from ddp_cli.data.packed import PackedStrings, Split
-from ddp_cli.data.retry import with_retries
+from ddp_cli.data.fetch.retry import with_retries
+from ddp_cli.data.sources.packed import PackedStrings, Split
+from ddp_cli.data.sources.table import IndexTable, select_classes
 from ddp_cli.errors import DataError
-
-if TYPE_CHECKING:
-    from ddp_cli.data.layouts import IndexTable
 
 FORMAT, VERSION = "ddp-shards", 1
 INDEX = "index.json"
@@ -150,8 +148,6 @@ def shards_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[s
     """The index table of a shards root: per split a sharded `Split` (paths `<shard>/<member>`), and
     the classes chosen by `classes` (rows of the others dropped, relabelled 0..k-1). The images the pack
     left out are not problems of this data set: `datasets show` lists them from the index."""
-    from ddp_cli.data.layouts import IndexTable, select_classes
-
     root = root.rstrip("/")
     meta = read_index(fs, root)
     keep = select_classes(meta.synsets, meta.descriptions, classes)

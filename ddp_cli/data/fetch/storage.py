@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import fsspec
 
-from ddp_cli.data.retry import IoPolicy, with_retries
+from ddp_cli.data.fetch.retry import IoPolicy, with_retries
 from ddp_cli.errors import DataError, require_extra
 
 UNSAFE_PATH = "unsafe path (absolute, or .. out of its folder)"
@@ -98,7 +98,7 @@ def s3_filesystem(storage, fix: str = "fix storage.path in the registry"
         options["profile"] = storage.profile
     root = storage.path.removeprefix("s3://").rstrip("/")
     try:
-        from ddp_cli.data.s3fs_once import S3FileSystemOnce
+        from ddp_cli.data.fetch.s3fs_once import S3FileSystemOnce
 
         fs = S3FileSystemOnce(**options)
         with_retries(lambda: fs.ls(root), storage.path)

@@ -24,7 +24,7 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from ddp_cli.config import AugmentConfig, DataConfig
-from ddp_cli.data.transforms import MEAN, STD, TrainTransform
+from ddp_cli.data.pipeline.transforms import MEAN, STD, TrainTransform
 
 INTERPOLATION = {"bilinear": v2.InterpolationMode.BILINEAR, "bicubic": v2.InterpolationMode.BICUBIC}
 MEAN_PIXEL = tuple(round(255 * m) for m in MEAN)  # what 0 is after normalisation

@@ -37,11 +37,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_cli.config import AugmentConfig, DataConfig
-from ddp_cli.data.augment import train_transform
-from ddp_cli.data.images import BadImage
-from ddp_cli.data.loaders import open_reader, read_row
-from ddp_cli.data.packed import Split
-from ddp_cli.data.transforms import ValTransform
+from ddp_cli.data.pipeline.augment import train_transform
+from ddp_cli.data.pipeline.images import BadImage
+from ddp_cli.data.pipeline.loaders import open_reader, read_row
+from ddp_cli.data.pipeline.transforms import ValTransform
+from ddp_cli.data.sources.packed import Split
 
 MIN_GAIN = 0.10  # loader processes on CPU only when they would speed a step up this much
 QUEUED = 4  # batches prefetched per rank, in all
@@ -59,6 +59,10 @@ class LoaderChoice:
     cores_per_rank: int | None = None
     decode_ms: float | None = None
     model_ms: float | None = None
+
+    def settings(self) -> dict[str, int]:
+        """The config keys this choice makes concrete (`RunConfig.resolved`)."""
+        return {"data.workers": self.workers, "data.prefetch_factor": self.prefetch_factor}
 
     def as_dict(self) -> dict[str, object]:
         """The inputs the rule used; none for numbers as set."""

@@ -1,0 +1,80 @@
+"""Reading a layout's metadata files and listing its image folders, retried and named in errors.
+
+Names read from files (an `ImageId`, a `train_cls.txt` row) must stay inside their
+folder: one that is absolute or climbs out with `..` is kept as written, so that
+`FileReader` refuses it (a bad image), and is listed as unsafe by file and value.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+from typing import TYPE_CHECKING
+
+import fsspec
+
+from ddp_cli.data.fetch.retry import with_retries
+from ddp_cli.data.sources.table import IMAGE_EXTENSIONS
+from ddp_cli.errors import DataError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def read_text(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    try:
+        return with_retries(lambda: fs.cat_file(path), path).decode()
+    except FileNotFoundError as e:
+        raise DataError(f"{path}: missing; is the data set root right?") from e
+
+
+def read_csv(fs, path: str, columns: tuple[str, ...]) -> pd.DataFrame:
+    """The CSV at `path` as strings; DataError naming the file if it lacks one of `columns`."""
+    import pandas as pd
+
+    try:
+        frame = pd.read_csv(io.StringIO(read_text(fs, path)), dtype=str, keep_default_na=False)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError) as e:
+        raise DataError(f"{path}: not a CSV ({str(e).strip()}); its header must be "
+                        f"{','.join(columns)}") from e
+    for column in columns:
+        if column not in frame.columns:
+            raise DataError(f"{path}: no {column} column (found {', '.join(frame.columns)}); "
+                            f"its header must be {','.join(columns)}")
+    return frame
+
+
+def _inside(name: str) -> str | None:
+    """`name` (relative to its folder) normalised, or None if it is absolute or climbs out with `..`."""
+    normal = posixpath.normpath(name)
+    return None if normal.startswith("/") or normal.split("/")[0] == ".." else normal
+
+
+def under(folder: str, names: list[str], source: str, what: str) -> tuple[list[str], list[str]]:
+    """`folder/<name>.JPEG` per name listed in `source`, and the unsafe rows (`source: what 'name'`).
+
+    An unsafe name keeps its `..` or leading `/` (joined as posixpath does), so the
+    path `escapes` and `FileReader` refuses it.
+    """
+    paths = [f"{folder}/{name}.JPEG" for name in names]
+    joined = "\n" + "\n".join(names)
+    if ".." not in joined and "\n/" not in joined:  # one scan at C speed spares 1.28 M checks
+        return paths, []
+    unsafe = []
+    for i, name in enumerate(names):
+        if name.startswith("/") or ".." in name:
+            inside = _inside(name + ".JPEG")
+            if inside is None:
+                unsafe.append(f"{source}: {what} {name!r}")
+            paths[i] = posixpath.join(folder, name + ".JPEG") if inside is None else f"{folder}/{inside}"
+    return paths, unsafe
+
+
+def list_images(fs, folder: str, root: str) -> list[str]:
+    if not with_retries(lambda: fs.isdir(folder), folder):
+        raise DataError(f"{folder}: missing split folder; check the data set root")
+    prefix = len(fs._strip_protocol(root).rstrip("/")) + 1
+    return sorted(
+        p[prefix:] for p in with_retries(lambda: fs.find(folder), folder)
+        if p.lower().endswith(IMAGE_EXTENSIONS)
+    )
