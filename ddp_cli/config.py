@@ -65,10 +65,9 @@ class DataConfig(Section):
     )
     hflip: bool = Field(True, description="Random horizontal flips in training.")
     cache_dir: str | None = Field(
-        None, description="Remote (S3) roots: keep each image read under this local folder "
-        "(~ and $VARS expand), so later epochs and runs read the disk, not the bucket. "
-        "Unset = no cache; ignored for local roots.",
-    )
+        None, description="Remote (S3) roots: keep each image read under this local folder (~ and $VARS "
+        "expand), so later epochs and runs read the disk, not the bucket. Unset = no cache; ignored for "
+        "local roots.")
     shuffle_shards: PositiveInt = Field(
         8, description='layout = "shards": training order = the shards in a fresh order each epoch, '
         "read this many at a time with their images shuffled together (the shuffle window; README, "
@@ -186,9 +185,8 @@ class ModelConfig(Section):
         default_factory=list, description="Modules (dotted names, e.g. \"layer1\", \"features.0\") "
         "whose parameters are not trained.",
     )
-    freeze_epochs: int = Field(
-        0, ge=0, description="Unfreeze model.freeze after this many epochs (0 = frozen for the whole run)."
-    )
+    freeze_epochs: int = Field(0, ge=0, description="Unfreeze model.freeze after this many epochs "
+                               "(0 = frozen for the whole run).")
 
 
 class OptimConfig(Section):

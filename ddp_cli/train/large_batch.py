@@ -36,69 +36,68 @@ def trust_ratio(weights: torch.Tensor, update_norm: torch.Tensor, scale: float =
     return torch.where((w_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))
 
 
-class Lars(Optimizer):
+class LayerwiseOptimizer(Optimizer):
+    """One step = each parameter with a gradient updated by `update`, group by group."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.update(p, group)
+        return loss
+
+    def update(self, p: torch.Tensor, group: dict) -> None:
+        raise NotImplementedError
+
+
+class Lars(LayerwiseOptimizer):
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001) -> None:
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                     "trust_coefficient": trust_coefficient, "trust_ratio": True}
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            decay = group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                step = p.grad.add(p, alpha=decay)
-                if group["trust_ratio"]:
-                    g_norm = p.grad.norm()
-                    step.mul_(trust_ratio(p, g_norm + decay * p.norm(), group["trust_coefficient"]))
-                if group["momentum"]:
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = step.clone()
-                    else:
-                        state["momentum_buffer"].mul_(group["momentum"]).add_(step)
-                    step = state["momentum_buffer"]
-                p.add_(step, alpha=-group["lr"])
-        return loss
+    def update(self, p: torch.Tensor, group: dict) -> None:
+        decay = group["weight_decay"]
+        step = p.grad.add(p, alpha=decay)
+        if group["trust_ratio"]:
+            g_norm = p.grad.norm()
+            step.mul_(trust_ratio(p, g_norm + decay * p.norm(), group["trust_coefficient"]))
+        if group["momentum"]:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = step.clone()
+            else:
+                state["momentum_buffer"].mul_(group["momentum"]).add_(step)
+            step = state["momentum_buffer"]
+        p.add_(step, alpha=-group["lr"])
 
 
-class Lamb(Optimizer):
+class Lamb(LayerwiseOptimizer):
     def __init__(self, params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "trust_ratio": True}
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-                m.lerp_(p.grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                update = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
-                update.add_(p, alpha=group["weight_decay"])
-                if group["trust_ratio"]:
-                    update.mul_(trust_ratio(p, update.norm()))
-                p.add_(update, alpha=-group["lr"])
-        return loss
+    def update(self, p: torch.Tensor, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        m.lerp_(p.grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        update = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
+        update.add_(p, alpha=group["weight_decay"])
+        if group["trust_ratio"]:
+            update.mul_(trust_ratio(p, update.norm()))
+        p.add_(update, alpha=-group["lr"])
