@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -49,8 +50,8 @@ class DataConfig(Section):
     workers: NonNegativeInt | Literal["auto"] = Field(
         4, description="DataLoader processes per worker (0 = in-process). auto: from the cores per "
         "worker and a measured decode time: on GPU every core but the trainer's; on CPU as many as "
-        "decoding's share of the cores, and none unless loading apart would gain 10% (README, "
-        '"Input pipeline").',
+        "decoding's share of the cores, and none unless loading apart would gain 10% (docs: "
+        '"Performance", "Loader processes").',
     )
     prefetch_factor: PositiveInt | Literal["auto"] = Field(
         2, description="Batches each loader process keeps ready. auto: at least 2, and 4 batches "
@@ -70,8 +71,8 @@ class DataConfig(Section):
         "local roots.")
     shuffle_shards: PositiveInt = Field(
         8, description='layout = "shards": training order = the shards in a fresh order each epoch, '
-        "read this many at a time with their images shuffled together (the shuffle window; README, "
-        '"Packed shards").',
+        "read this many at a time with their images shuffled together (the shuffle window; docs: "
+        '"Data sets", "Packed shards").',
     )
     io_concurrency: PositiveInt = Field(
         16, description="Remote (S3) roots: requests in flight at once per loader process (a batch's "
@@ -489,8 +490,9 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
 
 
 def reference_markdown() -> str:
-    """The config reference for README, generated from the field descriptions."""
-    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    """The config reference of the docs site (docs/hooks.py builds it into a page): per section, a
+    table of its keys with their type, default and description, from the models themselves."""
+    sections: dict[str, list[str]] = {}
 
     def rows(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
@@ -502,20 +504,29 @@ def reference_markdown() -> str:
             shown = ("required" if field.is_required() else "unset" if default is None
                      else json.dumps(default) if isinstance(default, list | dict)  # inline, as TOML allows
                      else tomli_w.dumps({"v": default})[4:].strip())
-            lines.append(f"| `{prefix}{name}` | `{shown}` | {field.description} |")
+            meaning = (field.description or "").replace("|", "\\|")
+            sections.setdefault(prefix.rstrip("."), []).append(
+                f"| `{prefix}{name}` | {_type_name(field.annotation)} | `{shown}` | {meaning} |")
 
     rows(RunConfig, "")
-    return "\n".join(lines)
+    out = []
+    for section, lines in sections.items():
+        out += [f"## `[{section}]`" if section else "## Top level", "",
+                "| key | type | default | meaning |", "| --- | --- | --- | --- |", *lines, ""]
+    return "\n".join(out).strip()
 
 
-REFERENCE_START, REFERENCE_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-
-
-def sync_reference(readme: Path) -> bool:
-    """Rewrite README's generated config reference; True if it changed (`make docs`)."""
-    text = readme.read_text()
-    head, rest = text.split(REFERENCE_START, 1)
-    _, tail = rest.split(REFERENCE_END, 1)
-    updated = f"{head}{REFERENCE_START}\n{reference_markdown()}\n{REFERENCE_END}{tail}"
-    readme.write_text(updated)
-    return updated != text
+def _type_name(annotation: Any) -> str:
+    """A field's type as a reader writes it: `int`, `list of str`, `"sgd" \\| "adamw"`, `int \\| "auto"`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is Literal:
+        return " \\| ".join(f'`"{value}"`' if isinstance(value, str) else f"`{value}`" for value in args)
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type_name(arg) for arg in args if arg is not type(None))
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return "table"
+    return getattr(annotation, "__name__", str(annotation))

@@ -1,0 +1,93 @@
+"""MkDocs hook: the pages generated from the code at build time, never kept by hand.
+
+- `reference/cli.md`: the help of every `ddp` command, from the Typer app as `ddp_cli.cli` defines it
+  when the site is built (Typer's own Markdown renderer, the one behind `typer ... utils docs`), plus
+  the options hidden from `--help` that the commands still accept.
+- `reference/config.md`: every run-config key, its default and description, from the pydantic models
+  (`ddp_cli.config.reference_markdown`).
+- `benchmarks.md`: BENCHMARKS.md from the repository root, as it is.
+
+mkdocs.yml names this file under `hooks:`; `make docs` and `make test` build with `--strict`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the checkout's ddp_cli, whatever is installed
+    sys.path.insert(0, str(ROOT))
+
+
+def cli_reference() -> str:
+    import click
+    import typer
+    import typer.cli
+
+    from ddp_cli.cli import app
+
+    root = typer.main.get_command(app)
+    ctx = click.Context(root, info_name="ddp")
+    body = typer.cli.get_docs_for_click(obj=root, ctx=ctx, name="ddp", title="ddp")
+    body = body.split("\n", 1)[1]  # Typer's own title: the page has one
+    body = re.sub(r"^(#+) `ddp", r"#\1 `ddp", body, flags=re.MULTILINE)  # its sections under the page's
+    hidden = "\n".join(f"- `{path}`: {', '.join(f'`{opt}`' for opt in opts)}"
+                       for path, opts in hidden_options(root))
+    hidden_section = ["## Hidden options", "",
+                      "Accepted, but left out of `--help` (spellings kept for other tools' habits):", "",
+                      hidden, ""] if hidden else []
+    return "\n".join([
+        "# Command line reference",
+        "",
+        "Generated from the code when this site is built: the help of every command, as",
+        "`ddp COMMAND --help` prints it. Every command also takes `-v/--verbose` before or after its",
+        "name; what `--json` prints and the exit codes are in [Scripting](scripting.md).",
+        "",
+        "## `ddp`",
+        "",
+        body.strip(),
+        "",
+        *hidden_section,
+    ])
+
+
+def hidden_options(group, path: tuple[str, ...] = ("ddp",)):
+    """(`ddp train`, [--opt, ...]) for each command with options hidden from its help."""
+    for name, command in getattr(group, "commands", {}).items():
+        yield from hidden_options(command, (*path, name))
+    opts = [opt for param in getattr(group, "params", []) if getattr(param, "hidden", False)
+            for opt in (*param.opts, *getattr(param, "secondary_opts", []))]
+    if opts:
+        yield " ".join(path), opts
+
+
+def config_reference() -> str:
+    from ddp_cli.config import reference_markdown
+
+    return "\n".join([
+        "# Run config reference",
+        "",
+        "Every key of a run config, generated from the pydantic models when this site is built.",
+        "Set a key in the TOML file (`[optim]` then `lr = 0.2`) or on the command line",
+        "(`--set optim.lr=0.2`). Unknown keys are refused with a did-you-mean (exit 2); `unset`",
+        "means no value (TOML has no null); `required` must be given when its section is.",
+        "`ddp config show CONFIG` prints a config with every default filled in, and `ddp config schema`",
+        "its JSON schema (see [Training](../training.md#inspecting-a-config-ddp-config-show-schema)).",
+        "",
+        reference_markdown(),
+        "",
+    ])
+
+
+GENERATED = {"reference/cli.md": cli_reference, "reference/config.md": config_reference}
+
+
+def on_files(files: Files, config) -> Files:
+    for uri, make in GENERATED.items():
+        files.append(File.generated(config, uri, content=make()))
+    files.append(File.generated(config, "benchmarks.md", abs_src_path=str(ROOT / "BENCHMARKS.md")))
+    return files
