@@ -1,4 +1,5 @@
-"""Write constraints.txt: the installed versions of everything ddp-cli[all] and the test group need.
+"""Write constraints.txt: the installed versions of everything ddp-cli[all] and the dependency groups
+(test, docs) need.
 
 `make setup` installs with `-c constraints.txt`, so a fresh machine gets the set the suite
 passed with here. Run it (`make constraints`) in a .venv whose `make test` passed; the versions
@@ -26,9 +27,9 @@ HEADER = """\
 
 
 def needed() -> set[str]:
-    """Canonical names of the project's full closure: ddp-cli[all] and the `test` group."""
+    """Canonical names of the project's full closure: ddp-cli[all] and every dependency group."""
     groups = tomllib.loads((ROOT / "pyproject.toml").read_text())["dependency-groups"]
-    todo = [Requirement(f"{PROJECT}[all]"), *(Requirement(r) for r in groups["test"])]
+    todo = [Requirement(f"{PROJECT}[all]"), *(Requirement(r) for group in groups.values() for r in group)]
     seen: dict[str, set[str]] = {}
     while todo:
         req = todo.pop()

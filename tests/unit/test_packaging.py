@@ -14,6 +14,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 OPTIONAL = PROJECT["optional-dependencies"]
 TEST_GROUP = PYPROJECT["dependency-groups"]["test"]
+DOCS_GROUP = PYPROJECT["dependency-groups"]["docs"]
 
 
 def names(requirements: list[str]) -> set[str]:
@@ -54,12 +55,22 @@ def test_constraints_pin_every_requirement_and_torch_with_its_torchvision():
     pins = {canonicalize_name(name): version for name, version in pins.items()}
     assert (pins["torch"], pins["torchvision"]) == ("2.14.1", "0.29.1")
     assert DISTRIBUTION not in pins
-    for line in PROJECT["dependencies"] + [r for extra in EXTRAS for r in OPTIONAL[extra]] + TEST_GROUP:
+    extras = [r for extra in EXTRAS for r in OPTIONAL[extra]]
+    for line in PROJECT["dependencies"] + extras + TEST_GROUP + DOCS_GROUP:
         requirement = Requirement(line)
         assert requirement.specifier.contains(pins[canonicalize_name(requirement.name)]), line
 
 
-def test_make_setup_installs_core_extras_and_test_group_at_the_pinned_versions():
+def test_make_setup_installs_core_extras_and_both_groups_at_the_pinned_versions():
     makefile = (REPO / "Makefile").read_text()
-    assert "pip install -q -c constraints.txt -e '.[all]' --group test" in makefile
+    assert "pip install -q -c constraints.txt -e '.[all]' --group test --group docs" in makefile
     assert "'pip>=25.1'" in makefile  # the first pip to read dependency groups
+    assert {"mkdocs", "mkdocs-material"} <= names(DOCS_GROUP)
+
+
+def test_make_test_builds_the_docs_strict_before_the_tests():
+    makefile = (REPO / "Makefile").read_text()
+    assert "mkdocs build --strict" in makefile
+    recipe = makefile.split("\ntest: setup\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    first_pytest = next(i for i, line in enumerate(recipe) if "pytest" in line)
+    assert any("$(MKDOCS)" in line for line in recipe[:first_pytest])
