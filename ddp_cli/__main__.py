@@ -1,5 +1,5 @@
 """`python -m ddp_cli` (and `torchrun -m ddp_cli train ...`) run the CLI."""
 
-from ddp_cli.cli import run
+from ddp_cli.cli import entry_point
 
-run()
+entry_point()

@@ -1,50 +1,100 @@
-"""What each command does, without Typer: resolve inputs, check them (preflight), launch workers."""
+"""What each command does, without Typer: resolve inputs, check them (preflight), launch workers.
+
+Every `ddp` command but `bench` (a tool beside the product: ddp_cli/bench) comes through here from
+cli.py, which parses flags and draws results. Imports: at the top only modules that leave torch
+unimported; those that import it (run.launch, preflight, train, export, envinfo, ...) are imported
+in the function that needs them, so `datasets list`, `config show`, `init` and `report` start
+without paying torch's import (seconds), and `train` builds its index in a process forked before
+torch is loaded (`indexing`). tests/unit/test_cli_startup.py checks.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from ddp_cli.config import RunConfig, TrainConfig, load_config
+from ddp_cli.config_view import render, schema
 from ddp_cli.data.fetch.storage import s3_filesystem
 from ddp_cli.data.sources.inputs import expand_inputs, input_root
 from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.shards import describe as describe_shards
 from ddp_cli.data.sources.shards import read_index
 from ddp_cli.data.sources.table import IndexTable
-from ddp_cli.distributed.setup import setup
-from ddp_cli.envinfo import machine
 from ddp_cli.errors import PEER_LOST, ConfigError, PeerLost, WorkerFailed
 from ddp_cli.indexing import IndexBuild, resolve_dataset
-from ddp_cli.models import import_builders
+from ddp_cli.observe import classes
+from ddp_cli.observe.report import classes_png, plot, summarize
 from ddp_cli.observe.startup import StartupClock
-from ddp_cli.plan import describe
-from ddp_cli.preflight import (
-    Preflight,
-    choose_node_loaders,
-    joined_workers,
-    launch_workers,
-    preflight,
-    validation_workers,
-)
 from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.jobs import Job, prepare_job, read_result
-from ddp_cli.run.launch import LaunchOptions, external_launcher, launch, single_threaded, with_environment
-from ddp_cli.run.worker import run_job
-from ddp_cli.train.checkpoint import CheckpointStore
-from ddp_cli.train.trained import Trained, load_trained
+from ddp_cli.starter import write_starter
 
 if TYPE_CHECKING:
-    from ddp_cli.data.pack.writer import PackOptions
+    from ddp_cli.preflight import Preflight
+    from ddp_cli.run.launch import LaunchOptions
+    from ddp_cli.train.trained import Trained
+
+__all__ = ["Job"]  # cli.py describes a validate or predict job with it
+
+
+@dataclass(frozen=True)
+class LaunchFlags:
+    """`ddp train`'s launch flags as given (torchrun's included), before the environment fills in."""
+
+    nproc_per_node: int | None = None
+    nnodes: str = "1"
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    max_restarts: int | None = None
+    standalone: bool = False
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    def options(self) -> LaunchOptions:
+        """The launch options: --master-addr/--master-port as the endpoint; --standalone checked
+        against the rest, else SLURM's or Kubeflow's settings fill in what the flags left open."""
+        from ddp_cli.run.launch import LaunchOptions, master_endpoint, standalone_checked, with_environment
+
+        endpoint = master_endpoint(self.master_addr, self.master_port, self.rdzv_endpoint)
+        opts = LaunchOptions(self.nproc_per_node, node_rank=self.node_rank, rdzv_endpoint=endpoint,
+                             rdzv_id=self.rdzv_id, max_restarts=self.max_restarts,
+                             **LaunchOptions.nodes(self.nnodes))
+        return standalone_checked(opts) if self.standalone else with_environment(opts)
+
+
+@contextmanager
+def indexed(config: Path, overrides: list[str],
+            registry: str | None) -> Iterator[tuple[RunConfig, IndexBuild]]:
+    """The run config and its index, building in a process of its own while this one imports torch
+    (under an external torchrun only rank 0 needs it)."""
+    cfg = load_config(config, overrides)
+    with IndexBuild.begin(cfg, registry, fork=os.environ.get("RANK", "0") == "0") as build:
+        yield cfg, build
+
+
+def train(config: Path, overrides: list[str], registry: str | None, run_dir: Path | None, flags: LaunchFlags,
+          resume: str, quiet: bool) -> dict[str, Any]:
+    """`ddp train`: the result of the run (empty on the ranks but 0 of an external torchrun)."""
+    with indexed(config, overrides, registry) as (cfg, build):
+        return launch_training(cfg, build, run_dir, flags.options(), resume, quiet)
+
+
+def dry_run(config: Path, overrides: list[str], registry: str | None, flags: LaunchFlags,
+            resume: str) -> dict[str, Any]:
+    """`ddp train --dry-run`: the plan, after every check training makes before starting workers."""
+    with indexed(config, overrides, registry) as (cfg, build):
+        return plan(cfg, build, flags.options(), resume)
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -58,10 +108,14 @@ def prepare_run(run: Preflight, run_dir: Path | None, quiet: bool) -> Path:
     return folder
 
 
-def train(cfg: RunConfig, build: IndexBuild, run_dir: Path | None, opts: LaunchOptions, resume: str,
-          quiet: bool) -> dict[str, Any]:
+def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | None, opts: LaunchOptions,
+                    resume: str, quiet: bool) -> dict[str, Any]:
     """Check, hand off, launch; the result with where start-up time went (`StartupClock`). The index
     builds beside (`build`): meanwhile this process imports what building the model needs."""
+    from ddp_cli.models import import_builders
+    from ddp_cli.preflight import launch_workers, preflight
+    from ddp_cli.run.launch import external_launcher, launch, single_threaded
+
     import_builders(cfg.model.name)
     startup = StartupClock()
     startup.mark("imports")
@@ -83,6 +137,8 @@ def train(cfg: RunConfig, build: IndexBuild, run_dir: Path | None, opts: LaunchO
 
 def how_to_go_on(folder: Path, argv: list[str] | None = None) -> str:
     """What is safe after a lost node, and the command that resumes from it."""
+    from ddp_cli.train.checkpoint import CheckpointStore
+
     newest = CheckpointStore(folder / "checkpoints", 1).latest_valid()
     kept = f"{newest} is the newest valid checkpoint" if newest else "no checkpoint was written yet"
     return f"{kept}; to go on, run on every node (each with its own --node-rank): " + \
@@ -106,6 +162,12 @@ def resume_command(argv: list[str], folder: Path) -> str:
 def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | None,
                          resume: str, quiet: bool, startup: StartupClock) -> dict[str, Any]:
     """Started by an external torchrun: rank 0 checks and prepares the run dir, every rank trains."""
+    import torch.distributed as dist
+
+    from ddp_cli.distributed.setup import setup
+    from ddp_cli.preflight import joined_workers, preflight
+    from ddp_cli.run.worker import run_job
+
     ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
     startup.mark("process_group")
     folder, run = [None], None
@@ -122,13 +184,21 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | None
 
 def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) -> dict[str, Any]:
     """--dry-run: the checks `train` makes before starting workers, and the plan they computed."""
+    from ddp_cli.plan import describe
+    from ddp_cli.preflight import launch_workers, preflight
+
     return describe(preflight(cfg, build, launch_workers(cfg, opts), resume))
 
 
 def validate(job: Job, config: Path | None, dataset: str | None, registry: str | None,
-             opts: LaunchOptions, batch_size: int | None) -> dict[str, Any]:
+             nproc_per_node: int, batch_size: int | None) -> dict[str, Any]:
     """Evaluate a checkpoint on the whole val split with any number of workers; the CSV files and the
     run's evaluation file (with --per-class) are written by rank 0."""
+    from ddp_cli.preflight import choose_node_loaders, validation_workers
+    from ddp_cli.run.launch import LaunchOptions, single_threaded
+    from ddp_cli.train.trained import load_trained
+
+    opts = LaunchOptions(nproc_per_node)
     single_threaded()
     trained = load_trained(job.checkpoint, job.weights, load_config(config) if config else None)
     cfg = inference_config(trained, batch_size, dataset)
@@ -154,6 +224,8 @@ def inference_config(trained: Trained, batch_size: int | None, dataset: str | No
 def run_inference(job: Job, cfg: RunConfig, entry: DatasetEntry, index: IndexTable, nproc: int,
                   opts: LaunchOptions, keep: str | None = None) -> dict[str, Any]:
     """Launch a validate or predict job in a temporary folder; its result (and the file `keep`)."""
+    from ddp_cli.run.launch import launch
+
     with tempfile.TemporaryDirectory(prefix=f"ddp-{job.mode}-") as tmp:
         job_dir = Path(tmp)
         prepare_job(job_dir, cfg, entry, index, job)
@@ -188,9 +260,14 @@ def evaluation_file(checkpoint: Path, weights: str) -> str | None:
 
 
 def predict(job: Job, inputs: list[str], dataset: str | None, split: str, registry: str | None,
-            opts: LaunchOptions, batch_size: int | None) -> list[dict[str, Any]]:
+            nproc_per_node: int, batch_size: int | None) -> list[dict[str, Any]]:
     """Top-k classes for every input image (files, folders, S3 objects or a data set split), in order;
     a bad image is an entry with its error."""
+    from ddp_cli.preflight import choose_node_loaders, validation_workers
+    from ddp_cli.run.launch import LaunchOptions, single_threaded
+    from ddp_cli.train.trained import load_trained
+
+    opts = LaunchOptions(nproc_per_node)
     single_threaded()
     trained = load_trained(job.checkpoint, job.weights)
     cfg = inference_config(trained, batch_size, dataset)
@@ -256,11 +333,13 @@ def datasets_check(name: str, registry: str | None, split: str, workers: int | N
             **check_dataset(fs, root, entry.layout, splits, workers, progress)}
 
 
-def datasets_pack(name: str, to: str, registry: str | None, split: str, opts: PackOptions, workers: int,
-                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """`pack` the registry entry `name` into `to` (`split`: train, val or all)."""
-    from ddp_cli.data.pack.writer import Source, pack, pack_index
+def datasets_pack(name: str, to: str, registry: str | None, split: str, settings: dict[str, Any],
+                  workers: int, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """`pack` the registry entry `name` into `to` (`split`: train, val or all); `settings` are
+    `PackOptions`' (max_side, quality, shard_mib, on_bad_image)."""
+    from ddp_cli.data.pack.writer import PackOptions, Source, pack, pack_index
 
+    opts = PackOptions(**settings)
     splits = ("train", "val") if split == "all" else (split,)
     entry = load_registry(registry).get(name)
     fs, root = entry.open()
@@ -281,12 +360,17 @@ def datasets_index(root: str, splits: dict[str, str], classes: str | None,
 
 def env() -> dict[str, Any]:
     """`ddp env`: this machine (`envinfo.machine`) and what "auto" picks on it."""
+    from ddp_cli.envinfo import machine
+
     return {**machine(), **auto_choices()}
 
 
 def auto_choices() -> dict[str, Any]:
     """What `ddp train` with `precision`, `backend` and `nproc_per_node` "auto" (and no flags) starts
     here, through the function it calls (`launch_workers`), so the two agree by construction."""
+    from ddp_cli.preflight import launch_workers
+    from ddp_cli.run.launch import LaunchOptions, with_environment
+
     cfg = RunConfig(train=TrainConfig(precision="auto"))  # distributed.* are "auto" by default
     try:
         workers = launch_workers(cfg, with_environment(LaunchOptions()))
@@ -295,3 +379,38 @@ def auto_choices() -> dict[str, Any]:
                 "auto_refused": str(e)}
     return {"precision_auto": workers.precision, "backend_auto": workers.backend,
             "nproc_per_node_auto": workers.nproc}
+
+
+def export(checkpoint: Path, fmt: str, weights: str, out: Path) -> dict[str, Any]:
+    """`ddp export`: the checkpoint's weights in `fmt`, with a model card beside them."""
+    from ddp_cli.export import export_checkpoint
+
+    return export_checkpoint(checkpoint, fmt, weights, out)
+
+
+def report(run_dir: Path, out: Path | None) -> dict[str, Any]:
+    """`ddp report`: the run summarised, its curves drawn to `out` (and any per-class picture beside)."""
+    summary = summarize(run_dir)
+    png = out or run_dir / "report.png"
+    summary["plot"] = str(plot(run_dir, png))
+    drawn = classes.plot(run_dir, classes_png(png))
+    summary["classes_plot"] = str(drawn) if drawn else None
+    return summary
+
+
+def init(folder: Path) -> dict[str, Any]:
+    """`ddp init`: the starter run config and data.toml written into `folder`."""
+    return write_starter(folder)
+
+
+def config_show(config: Path, overrides: list[str], fmt: str) -> str:
+    """The resolved run config as TOML (every default, unset keys commented) or one JSON line."""
+    if fmt not in ("toml", "json"):
+        raise ConfigError(f"--format {fmt}: use toml or json")
+    source = " ".join([str(config), *(f"--set {item}" for item in overrides)])
+    return render(load_config(config, overrides), fmt, source)
+
+
+def config_schema() -> dict[str, Any]:
+    """The run config's JSON schema."""
+    return schema()

@@ -20,6 +20,7 @@ from synthetic import write_registry
 
 from ddp_cli import commands
 from ddp_cli.cli import main
+from ddp_cli.run import launch
 
 DEMO = str(REPO / "configs/demo.toml")
 # the CLI sets these for its process; the monkeypatch restores the caller's afterwards
@@ -107,7 +108,8 @@ def tripwire(monkeypatch) -> list[str]:
     """What `train` started: it must start nothing (no run dir, no worker) for a bad input."""
     started: list[str] = []
     monkeypatch.setattr(commands, "prepare_job", lambda folder, *a, **k: started.append(f"job {folder}"))
-    monkeypatch.setattr(commands, "launch", lambda folder, *a, **k: started.append(f"workers {folder}"))
+    # commands imports `launch` when it launches (torch: not at start-up), so the tripwire sits in run.launch
+    monkeypatch.setattr(launch, "launch", lambda folder, *a, **k: started.append(f"workers {folder}"))
     return started
 
 

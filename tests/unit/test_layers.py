@@ -32,8 +32,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.train",),
     ("ddp_cli.envinfo", "ddp_cli.export"),
     ("ddp_cli.run",),
-    ("ddp_cli.bench",),
-    ("ddp_cli.preflight", "ddp_cli.plan", "ddp_cli.commands"),
+    # the doors' kit: drawing results, exit codes, declaring commands to Typer
+    ("ddp_cli.render",),
+    ("ddp_cli.exits",),
+    ("ddp_cli.clikit",),
+    # the product's commands, and beside them (neither imports the other) the benchmarks: a tool
+    ("ddp_cli.preflight", "ddp_cli.plan", "ddp_cli.commands", "ddp_cli.bench"),
     ("ddp_cli.cli",),
     ("ddp_cli.__main__",),
 ]
@@ -105,6 +109,10 @@ def test_the_rule_refuses_upward_and_sibling_imports():
     assert violations("ddp_cli.data.pipeline.loaders", {"ddp_cli.distributed.setup"})  # siblings
     assert violations("ddp_cli.train.trainer", {"ddp_cli.run.worker"})
     assert not violations("ddp_cli.run.worker", {"ddp_cli.train.trainer", "ddp_cli.run.jobs"})
+    assert violations("ddp_cli.commands", {"ddp_cli.bench.step"})  # the product using the bench tool
+    assert violations("ddp_cli.preflight", {"ddp_cli.bench.faultproxy"})
+    assert violations("ddp_cli.bench.e2e", {"ddp_cli.commands"})  # nor the tool the product's door
+    assert not violations("ddp_cli.cli", {"ddp_cli.bench.cli", "ddp_cli.commands"})
     with pytest.raises(AssertionError, match="no layer"):
         group_of("ddp_cli.newthing")
 
