@@ -2,7 +2,7 @@
 generated pages cover every command and every page is in the navigation.
 
 A command line is checked for its command path (`ddp datasets check` exists) and for each `--flag` it
-uses (an option of that command, hidden aliases included); values and positional arguments are not
+uses (an option of that command; torchrun's spellings too); values and positional arguments are not
 checked. Code blocks in a shell or plain-text fence count (not toml, json or python); so do lines after
 a `$ ` prompt, after `srun ...` and `torchrun ... -m ddp_cli`.
 """
@@ -19,6 +19,7 @@ import yaml
 from conftest import REPO
 
 from ddp_cli.cli import app
+from ddp_cli.clikit import dashed
 
 DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
@@ -102,7 +103,7 @@ def problems(args: str) -> list[str]:
     except LookupError as error:
         return [str(error)]
     known = accepted(command)
-    return [f"`{path}` takes no {flag}" for flag in flags if flag.split("=")[0] not in known]
+    return [f"`{path}` takes no {flag}" for flag in flags if dashed([flag.split("=")[0]])[0] not in known]
 
 
 COMMANDS = sorted(set(shown_commands()))
@@ -120,7 +121,7 @@ def test_every_command_shown_parses(page, args):
     assert problems(args) == [], f"{page}: ddp {args}"
 
 
-def test_the_check_finds_unknown_commands_and_flags_and_takes_hidden_aliases():
+def test_the_check_finds_unknown_commands_and_flags_and_takes_torchrun_spellings():
     assert problems("train cfg.toml --nproc_per_node 2 --set a.b=1 -v") == []
     assert problems("-v datasets check demo --split val --json") == []
     assert problems("--version") == []
