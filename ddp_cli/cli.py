@@ -223,7 +223,7 @@ def train(
     * `ddp train cfg.toml --nproc_per_node 4 --standalone` (torchrun's spellings work too)
     """
     from ddp_cli.config import load_config
-    from ddp_cli.indexing import IndexBuild
+    from ddp_cli.index_build import IndexBuild
 
     cfg = load_config(config, set_ or [])
     # the index builds in a process of its own while this one imports torch (under an external

@@ -24,7 +24,7 @@ from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import setup
 from ddp_cli.envinfo import machine
 from ddp_cli.errors import PEER_LOST, ConfigError, PeerLost, WorkerFailed
-from ddp_cli.indexing import IndexBuild, resolve_dataset
+from ddp_cli.index_build import IndexBuild, resolve_dataset
 from ddp_cli.models import import_builders
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.plan import describe
@@ -41,7 +41,7 @@ from ddp_cli.run.jobs import Job, prepare_job, read_result
 from ddp_cli.run.launch import LaunchOptions, external_launcher, launch, single_threaded, with_environment
 from ddp_cli.run.worker import run_job
 from ddp_cli.train.checkpoint import CheckpointStore
-from ddp_cli.train.trained import Trained, load_trained
+from ddp_cli.train.checkpoint_model import Trained, load_trained
 
 if TYPE_CHECKING:
     from ddp_cli.data.pack.writer import PackOptions

@@ -76,7 +76,7 @@ def test_loaders_pin_memory_on_cuda_and_batches_reach_the_device(demo_registry):
     from ddp_cli.config import config_from_dict
     from ddp_cli.data.pipeline.loaders import build_loaders
     from ddp_cli.data.pipeline.transforms import to_model_input
-    from ddp_cli.indexing import resolve_dataset
+    from ddp_cli.index_build import resolve_dataset
 
     raw = tomllib.loads((REPO / "configs/demo.toml").read_text())
     raw["data"]["workers"] = 1  # a loader process: pinning happens in the main process's pin thread
