@@ -123,7 +123,7 @@ def test_a_stop_ends_the_run_only_once_its_checkpoint_is_on_disk(tmp_path):
 def test_progress_round_trips_field_by_field_and_missing_parts_are_named(tmp_path):
     ckpt, _, progress = checkpointer(tmp_path, background=False)
     progress.history.append({"epoch": 1, "top1": 0.5})
-    progress.samples_in_epoch, progress.running = 96, [3.5, 2.0]
+    progress.samples_in_epoch, progress.running = 96, [[3.5, 2.0]]
     path = ckpt.save(top1=0.5)
     other, _, restored = checkpointer(tmp_path / "other", background=False)
     restored.step = 0

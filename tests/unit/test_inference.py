@@ -12,7 +12,6 @@ from ddp_cli.config import RunConfig
 from ddp_cli.data.pipeline.loaders import collate
 from ddp_cli.data.sources.inputs import expand_inputs, input_root
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.train.checkpoint import save_checkpoint
 from ddp_cli.train.checkpoint_model import load_trained
 from ddp_cli.train.inference import evaluate, predict
 
@@ -78,15 +77,16 @@ def test_predict_answers_every_input_in_order_and_a_bad_one_with_its_error():
 
 
 def checkpoint(path, ema: bool) -> None:
+    """A checkpoint as ddp wrote one before descriptions were kept (no format version)."""
     torch.manual_seed(0)
     from ddp_cli.models import TinyResNet
 
     live, average = TinyResNet(3).state_dict(), TinyResNet(3).state_dict()
     cfg = RunConfig.model_validate({"model": {"name": "resnet_tiny"}, "data": {"image_size": 32}})
-    save_checkpoint({"model": live, "ema": {"module": average, "updates": 5} if ema else None,
-                     "final": {"top1": 0.5}, "final_ema": {"top1": 0.6} if ema else None,
-                     "config": cfg.model_dump(mode="json"), "classes": ["a", "b", "c"],
-                     "dataset": {"name": "d"}}, path)
+    torch.save({"format": 1, "model": live, "ema": {"module": average, "updates": 5} if ema else None,
+                "final": {"top1": 0.5}, "final_ema": {"top1": 0.6} if ema else None,
+                "config": cfg.model_dump(mode="json"), "classes": ["a", "b", "c"],
+                "dataset": {"name": "d"}}, path)
 
 
 def test_a_checkpoint_as_a_classifier_with_its_live_or_ema_weights(tmp_path):
