@@ -31,7 +31,7 @@ from ddp_cli.data.sources.shards import describe as describe_shards
 from ddp_cli.data.sources.shards import read_index
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import PEER_LOST, ConfigError, PeerLost, WorkerFailed
-from ddp_cli.indexing import IndexBuild, resolve_dataset
+from ddp_cli.index_build import IndexBuild, resolve_dataset
 from ddp_cli.observe import classes
 from ddp_cli.observe.report import classes_png, plot, summarize
 from ddp_cli.observe.startup import StartupClock
@@ -42,7 +42,7 @@ from ddp_cli.starter import write_starter
 if TYPE_CHECKING:
     from ddp_cli.preflight import Preflight
     from ddp_cli.run.launch import LaunchOptions
-    from ddp_cli.train.trained import Trained
+    from ddp_cli.train.checkpoint_model import Trained
 
 __all__ = ["Job"]  # cli.py describes a validate or predict job with it
 
@@ -196,7 +196,7 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
     run's evaluation file (with --per-class) are written by rank 0."""
     from ddp_cli.preflight import choose_node_loaders, validation_workers
     from ddp_cli.run.launch import LaunchOptions, single_threaded
-    from ddp_cli.train.trained import load_trained
+    from ddp_cli.train.checkpoint_model import load_trained
 
     opts = LaunchOptions(nproc_per_node)
     single_threaded()
@@ -265,7 +265,7 @@ def predict(job: Job, inputs: list[str], dataset: str | None, split: str, regist
     a bad image is an entry with its error."""
     from ddp_cli.preflight import choose_node_loaders, validation_workers
     from ddp_cli.run.launch import LaunchOptions, single_threaded
-    from ddp_cli.train.trained import load_trained
+    from ddp_cli.train.checkpoint_model import load_trained
 
     opts = LaunchOptions(nproc_per_node)
     single_threaded()

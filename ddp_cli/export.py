@@ -30,7 +30,7 @@ from ddp_cli.errors import ConfigError, require_extra
 from ddp_cli.io import atomic_write, write_text
 from ddp_cli.models import TINY, builder_kwargs, first_line
 from ddp_cli.train.checkpoint import read_manifest
-from ddp_cli.train.trained import Trained, load_trained
+from ddp_cli.train.checkpoint_model import Trained, load_trained
 
 log = logging.getLogger("ddp")
 

@@ -80,7 +80,7 @@ def load_plain(path: Path) -> Any:
     """Load with `weights_only=True`: tensors, numbers, strings and containers, nothing else.
 
     torch is imported here, not at the top: the index build reads and writes files through this
-    module in a process that must not import torch (`indexing.IndexBuild`)."""
+    module in a process that must not import torch (`index_build.IndexBuild`)."""
     import torch
 
     try:

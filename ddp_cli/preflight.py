@@ -24,7 +24,7 @@ from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_loaders
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
-from ddp_cli.indexing import IndexBuild
+from ddp_cli.index_build import IndexBuild
 from ddp_cli.models import check_model, is_weight_name
 from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from ddp_cli.config import RunConfig, config_from_dict
-from ddp_cli.data.pipeline.loaders import Loaders
+from ddp_cli.data.pipeline.loaders import Batch, Loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.models import build_model
-from ddp_cli.run.worker import assert_identical_across_ranks
+from ddp_cli.run.training import assert_identical_across_ranks
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
 from ddp_cli.train.trainer import Trainer
 
@@ -73,7 +73,7 @@ def step_replica(trainer: Trainer, rank: int, world_size: int, step: int) -> Non
     accum, batch = trainer.accum, trainer.cfg.data.batch_size
     images, labels = global_batch(step, world_size * batch * accum)
     mine = torch.arange(len(labels)).view(accum, world_size, batch)[:, rank]  # each micro-batch's block
-    trainer.train_step([(images[idx], labels[idx], [""] * batch, [""] * batch) for idx in mine])
+    trainer.train_step([Batch(images[idx], labels[idx], [""] * batch, [""] * batch) for idx in mine])
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:

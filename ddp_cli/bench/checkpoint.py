@@ -36,7 +36,7 @@ def _timed_step(trainer, batches, save: bool) -> float:
     trainer.train_step([next(batches)])
     trainer.state.step += 1
     if save:
-        trainer.checkpointer.save()
+        trainer.save()
     return time.perf_counter() - started
 
 

@@ -102,7 +102,7 @@ def walk(folder: Path, form: str, workers: int) -> dict[str, Any]:
     list(loader)  # a warm-up epoch: one batch per loader process
     start = [uss_mb(p) for p in psutil.Process().children()]  # persistent: the same processes go on
     sampler.set_epoch(0)
-    images = sum(len(batch[1]) for batch in loader)
+    images = sum(len(batch.labels) for batch in loader)
     end = [uss_mb(p) for p in psutil.Process().children()]
     return {"index": form, "paths_held_as": type(dataset.paths).__name__, "rank_index_mb": rank_index,
             "worker_start_mb": max(start), "worker_end_mb": max(end), "end_vs_start": max(end) / max(start),

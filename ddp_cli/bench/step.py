@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_cli.bench.data import machine
 from ddp_cli.config import ModelConfig, RunConfig, apply_override
-from ddp_cli.data.pipeline.loaders import Loaders
+from ddp_cli.data.pipeline.loaders import Loaders, collate
 from ddp_cli.data.pipeline.transforms import MEAN, STD
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.models import build_model, count_parameters
@@ -88,6 +88,7 @@ class Synthetic(Dataset):
 def loader(spec: StepSpec, as_float: bool) -> DataLoader:
     steps = spec.warmup + spec.steps
     return DataLoader(Synthetic(spec, steps * spec.batch_size, as_float), batch_size=spec.batch_size,
+                      collate_fn=None if as_float else collate,  # ddp's: a `Batch`, read by name
                       num_workers=spec.loader_workers, drop_last=True,
                       prefetch_factor=2 if spec.loader_workers else None,
                       persistent_workers=False)

@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ddp_cli.config import config_from_dict
 from ddp_cli.distributed.signals import StopRequest
 from ddp_cli.errors import ConfigError, DataError, DdpError
 from ddp_cli.io import CHECKPOINT_FORMAT, atomic_write, fsync_dir, is_checkpoint, load_plain, sha256_of
@@ -30,13 +30,55 @@ from ddp_cli.train import rng
 log = logging.getLogger("ddp")
 
 
+FORMAT_VERSION = 3  # what a checkpoint holds, as `migrate` reads it; "format" only marks a ddp file
+
+
 def save_checkpoint(state: dict[str, Any], path: Path) -> tuple[str, int]:
     """Write atomically; the file's (sha256, bytes), hashed on the way out."""
-    return atomic_write(path, lambda f: torch.save({"format": CHECKPOINT_FORMAT, **state}, f))
+    marks = {"format": CHECKPOINT_FORMAT, "format_version": FORMAT_VERSION}
+    return atomic_write(path, lambda f: torch.save({**marks, **state}, f))
+
+
+def format_version(state: dict[str, Any]) -> int:
+    """The version `state` was written in: its own, else (written before versions were) read off the
+    fields it holds, each added in the version named."""
+    if "format_version" in state:
+        return state["format_version"]
+    if "descriptions" in state or "epoch_layout" in state:
+        return 3
+    if "world_sizes" in state:
+        return 2
+    return 1 if "global_batch" in state else 0
+
+
+def migrate(state: dict[str, Any], path: str | Path = "checkpoint") -> dict[str, Any]:
+    """`state` in the current format, whatever version wrote it: one step per version, oldest first.
+
+    Every step derives its fields from what an older file holds, and only where it holds them (a
+    file with no training state, say, keeps none), so everything after loading reads one format.
+    """
+    version = format_version(state)
+    if version > FORMAT_VERSION:
+        raise DataError(f"{path}: written by a newer ddp (checkpoint format {version}; this one reads up "
+                        f"to {FORMAT_VERSION}); upgrade ddp")
+    state = dict(state)
+    trained = "rng" in state  # a training state, not a bare set of weights
+    world = len(state["rng"]) if trained else 1  # one RNG state per rank of the world that wrote it
+    if version < 1 and trained and "config" in state:  # 0 -> 1: the global batch, the epoch's position
+        state["global_batch"] = config_from_dict(state["config"], str(path)).global_batch(world)
+        state["samples_in_epoch"] = state.get("step_in_epoch", 0) * state["global_batch"]
+    if version < 2 and trained:  # 1 -> 2: every rank's running loss, and the world size of each segment
+        running = state.get("running") or []  # the writer's (sum, steps), which every rank resumed from
+        state["running"] = [list(running) for _ in range(world)] if running else []
+        state["world_sizes"] = [world]
+    if version < 3 and "classes" in state:  # 2 -> 3: class descriptions (the synsets where none were)
+        state["descriptions"] = list(state["classes"])
+    state["format_version"] = FORMAT_VERSION
+    return state
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A ddp checkpoint, loaded safely (see `load_plain`)."""
+    """A ddp checkpoint, loaded safely (see `load_plain`), in the current format (`migrate`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--checkpoint {path}: no such file; give a .pt from <run>/checkpoints/")
@@ -46,7 +88,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     state = load_plain(path)
     if not is_checkpoint(state):
         raise DataError(f"{path}: not a ddp checkpoint (no format {CHECKPOINT_FORMAT} marker)")
-    return state
+    return migrate(state, path)
 
 
 MANIFEST = ".json"  # sidecar: <checkpoint>.json with sha256, size and position
@@ -170,6 +212,15 @@ class RunState:
             if f.name in state:
                 setattr(self, f.name, state[f.name])
 
+    def running_of(self, rank: int, world_size: int) -> list[float]:
+        """Rank `rank`'s share of the epoch's running loss (sum, steps): its own at the same world
+        size; at another, all of it on rank 0 (the epoch's loss is their sum)."""
+        if len(self.running) == world_size:
+            return self.running[rank]
+        if rank == 0 and self.running:
+            return [sum(r[0] for r in self.running), sum(r[1] for r in self.running)]
+        return [0.0, 0.0]
+
     def position(self) -> dict[str, Any]:
         """The scalar fields: what a manifest and a log line say about a checkpoint."""
         return {k: v for k, v in self.state_dict().items() if isinstance(v, int | float)}
@@ -200,11 +251,12 @@ class Checkpointer:
     The run's progress (a `RunState`) is tracked, written flat at the top level;
     the stateful parts (model, optimiser, scheduler, scaler, EMA, RNGs) are
     registered once by name and saved as `part.state_dict()`; `meta` (config,
-    data set, classes) rides along so `ddp validate` needs nothing else. The
-    loop calls `after_step()`: a save comes at each epoch's end (with its val
-    top-1, which decides best.pt), every `every_steps`, and after the step at
-    which all ranks agreed to stop on a signal, which then ends the run (exit
-    143/130). Every rank takes part (RNG states are gathered); ranks with
+    data set, classes) rides along so `ddp validate` needs nothing else. After
+    every step the loop asks `due()`: a save comes at each epoch's end (with its
+    val top-1, which decides best.pt), every `every_steps`, and after the step at
+    which all ranks agreed to stop on a signal; the loop makes its state ready
+    and calls `save()`, then `end_if_stopping()` ends the run on that signal
+    (exit 143/130). Every rank takes part (RNG states are gathered); ranks with
     `writes` (each node's first) write, so any node can resume.
     """
 
@@ -214,42 +266,45 @@ class Checkpointer:
         self.store, self.writes, self.every, self.stop = store, writes, every_steps, stop
         self.meta = meta or {}
         self.progress = RunState()
-        self.before_save: Callable[[], None] = lambda: None
+        self.stopping = 0  # the signal all ranks agreed to stop on at the last `due()`, else 0
         self.parts: dict[str, Stateful] = {}
         self.optional: set[str] = set()
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ddp-checkpoint") if background else None
         self.pending: Future | None = None
 
-    def track(self, progress: RunState, before_save: Callable[[], None]) -> None:
-        """The run's progress, and what must happen before any save (e.g. refuse diverged weights)."""
-        self.progress, self.before_save = progress, before_save
+    def track(self, progress: RunState) -> None:
+        """The run's progress: saved at every checkpoint's top level, restored by `load`."""
+        self.progress = progress
 
     def register(self, optional: tuple[str, ...] = (), **parts: Stateful | None) -> None:
         """Parts saved and restored by name; `optional` ones may be absent from a checkpoint."""
         self.parts.update({name: part for name, part in parts.items() if part is not None})
         self.optional.update(optional)
 
-    def after_step(self, top1: float | None = None) -> Path | None:
-        """Called after every mid-epoch step, and at each epoch's end with its val top-1."""
-        signum = self.stop.agreed() if self.stop else 0
-        due = top1 is not None or signum or (self.every and self.progress.step % self.every == 0)
-        path = self.save(top1) if due else None
-        if signum:
-            self.wait()  # the checkpoint a stop names is on disk before the run ends
-            folder = self.store.folder if self.store else Path("checkpoints")
-            raise DdpError(f"stopped by {signal.Signals(signum).name} after step {self.progress.step}, "
-                           f"checkpoint {path or folder}; the same command with --run-dir "
-                           f"{folder.parent} resumes it", StopRequest.exit_code(signum))
-        return path
+    def due(self, epoch_end: bool = False) -> bool:
+        """Whether the step just taken is to be saved: at an epoch's end, every `every_steps`, or on a
+        stop signal. Asks every rank whether one came (a collective: call it once after every step)."""
+        self.stopping = self.stop.agreed() if self.stop else 0
+        return epoch_end or bool(self.stopping) or bool(self.every and self.progress.step % self.every == 0)
+
+    def end_if_stopping(self, path: Path | None) -> None:
+        """After the save a stop signal made due: once it is on disk, end the run (exit 143/130)."""
+        if not self.stopping:
+            return
+        self.wait()
+        folder = self.store.folder if self.store else Path("checkpoints")
+        raise DdpError(f"stopped by {signal.Signals(self.stopping).name} after step {self.progress.step}, "
+                       f"checkpoint {path or folder}; the same command with --run-dir "
+                       f"{folder.parent} resumes it", StopRequest.exit_code(self.stopping))
 
     def save(self, top1: float | None = None) -> Path | None:
         """A checkpoint of the current step; returns its path on writing ranks.
 
         In the background, the state is first copied to CPU memory (training goes on
         changing the live tensors) and written by one thread while the next steps run;
-        a save waits for the one before it, so two never overlap.
+        a save waits for the one before it, so two never overlap. The caller makes the state
+        ready first (`Trainer.settle`).
         """
-        self.before_save()
         best = top1 is not None and top1 > self.progress.best_top1
         if top1 is not None:
             self.progress.best_top1 = max(self.progress.best_top1, top1)

@@ -10,7 +10,7 @@ processes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_cli.data.pipeline.loaders import requested, skipped_files
+from ddp_cli.data.pipeline.loaders import Batch, requested, skipped_files
 from ddp_cli.data.pipeline.transforms import to_model_input
 from ddp_cli.errors import DataError
 from ddp_cli.train.metrics import DEFAULT_TOPK, EvalTotals
 from ddp_cli.train.precision import autocast
 
 
-def raise_bad_images(errors: list[str]) -> None:
+def raise_bad_images(errors: Sequence[str]) -> None:
     """The dataset hands over bad files (under on_bad_image = "error") and storage failures as messages."""
     for message in errors:
         if message:
@@ -33,17 +33,17 @@ def raise_bad_images(errors: list[str]) -> None:
 
 
 def logits_by_batch(model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool,
-                    tta: bool = False) -> Iterator[tuple[list[int], torch.Tensor, Any, list[str], list[str]]]:
-    """Per batch: the items' split positions, float logits, labels, skipped and error fields."""
+                    tta: bool = False) -> Iterator[tuple[list[int], torch.Tensor, Batch]]:
+    """Per batch: the items' split positions, float logits, and the batch."""
     model.eval()
     positions = iter(loader.sampler)
-    for images, labels, skipped, errors in loader:
-        x = to_model_input(images, device, channels_last)
+    for batch in loader:
+        x = to_model_input(batch.images, device, channels_last)
         with autocast(device, precision):
             logits = model(x).float()
             if tta:
                 logits = (logits + model(x.flip(3)).float()) / 2
-        yield list(islice(positions, len(labels))), logits, labels, skipped, errors
+        yield list(islice(positions, len(batch.labels))), logits, batch
 
 
 @torch.no_grad()
@@ -58,12 +58,12 @@ def evaluate(
     split's good images) and the bad file goes into `bad`.
     """
     totals = EvalTotals(device, topk, keep_topk)
-    for positions, logits, labels, skipped, errors in logits_by_batch(model, loader, device, precision,
-                                                                      channels_last, tta):
-        raise_bad_images(errors)
-        totals.add(logits, labels.to(device, non_blocking=True), requested(skipped).to(device), positions)
+    for positions, logits, batch in logits_by_batch(model, loader, device, precision, channels_last, tta):
+        raise_bad_images(batch.errors)
+        totals.add(logits, batch.labels.to(device, non_blocking=True), requested(batch.skipped).to(device),
+                   positions)
         if bad is not None:
-            bad.update(skipped_files(skipped))
+            bad.update(skipped_files(batch.skipped))
     totals.reduce()
     return totals
 
@@ -74,10 +74,10 @@ def predict(model: nn.Module, loader, device: torch.device, precision: str, chan
     """Every rank's (position, error, top-k classes, probabilities), in split order; a bad image is
     its error message with no classes, and the others are still predicted."""
     rows = []
-    for positions, logits, _labels, _skipped, errors in logits_by_batch(model, loader, device, precision,
-                                                                        channels_last):
+    for positions, logits, batch in logits_by_batch(model, loader, device, precision, channels_last):
         probs, classes = logits.softmax(dim=1).topk(min(k, logits.shape[1]), dim=1)
-        for position, error, top, p in zip(positions, errors, classes.tolist(), probs.tolist(), strict=True):
+        for position, error, top, p in zip(positions, batch.errors, classes.tolist(), probs.tolist(),
+                                           strict=True):
             rows.append((position, error, [], []) if error else (position, "", top, p))
     if dist.is_initialized():
         everyone: list[Any] = [None] * dist.get_world_size()

@@ -63,3 +63,15 @@ def held_at_zero(factor: Callable[[int], float], steps: int) -> Callable[[int], 
     (`model.freeze_epochs`) moves neither by its gradient nor by weight decay or momentum, as every
     update of every optimiser here is scaled by the LR."""
     return factor if not steps else lambda step: 0.0 if step < steps else factor(step)
+
+
+def resume_schedule(scheduler: LambdaLR, peak_ratio: float, step: int) -> None:
+    """Go on at `step` with every group's peak LR times `peak_ratio`: a resume at another world size,
+    where the steps per epoch (and with lr_per_256 the peak LR) changed. LambdaLR keeps the peak in
+    `base_lrs` and in each group's `initial_lr`, and sets a group's `lr` only when stepped, so all three
+    are rewritten."""
+    scheduler.base_lrs = [base * peak_ratio for base in scheduler.base_lrs]
+    scheduler.last_epoch = step
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                   scheduler.lr_lambdas, strict=True):
+        group["initial_lr"], group["lr"] = base, base * factor(step)

@@ -3,10 +3,11 @@
 `fit()` is the whole run: for each epoch, `train_epoch()` (micro-batches through
 DDP with `no_sync` on all but the last, one optimiser and schedule step each),
 then `validate()` over the whole val split (and of the weights' EMA, if on),
-and after every step and epoch the `Checkpointer` decides whether to save or
-stop. What a Trainer needs from its process (steps per epoch, the
-checkpointer with its stop request and store, the metrics sinks, the console)
-is handed in, so benches and tests build one without a worker around it.
+and after every step and epoch `checkpoint()`: when the `Checkpointer` says a
+save is due, the state is settled and saved (and a stop signal ends the run).
+What a Trainer needs from its process (steps per epoch, the checkpointer with
+its stop request and store, the metrics sinks, the console) is handed in, so
+benches and tests build one without a worker around it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig, TrainConfig
 from ddp_cli.data.fetch.retry import retries_so_far
-from ddp_cli.data.pipeline.loaders import Loaders, skipped_files
+from ddp_cli.data.pipeline.loaders import Batch, Loaders, skipped_files
 from ddp_cli.data.pipeline.transforms import to_model_input
 from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext
@@ -40,7 +41,7 @@ from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.mixing import BatchMixing
 from ddp_cli.train.optim import build_optimizer
 from ddp_cli.train.precision import autocast, resolve_precision
-from ddp_cli.train.schedules import build_scheduler
+from ddp_cli.train.schedules import build_scheduler, resume_schedule
 
 log = logging.getLogger("ddp")
 
@@ -97,7 +98,7 @@ class Trainer:
         self.retries_seen = retries_so_far()
         self.checkpointer = checkpointer or Checkpointer(None)
         self.on_validation: Callable[[EvalTotals, int], None] | None = None  # (totals, epoch): rank 0's files
-        self.checkpointer.track(self.state, before_save=self.settle)
+        self.checkpointer.track(self.state)
         self.checkpointer.register(
             model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
             ema=self.ema, rng=RankRngs(ctx.rank, ctx.world_size), optional=("ema",))
@@ -136,8 +137,7 @@ class Trainer:
             self.console.epoch_done(row)
             if self.on_validation:
                 self.on_validation(evaluation, epoch + 1)
-            best_of = ema_val if cfg.checkpoint.best_metric == "ema_top1" else val
-            self.checkpointer.after_step(top1=best_of["top1"])
+            self.checkpoint(top1=(ema_val if cfg.checkpoint.best_metric == "ema_top1" else val)["top1"])
         self.console.summary(self.state.history)
         return self.summary(images_seen / max(train_seconds, 1e-9))
 
@@ -161,7 +161,8 @@ class Trainer:
         sampler.set_epoch(epoch, skip=self.state.samples_in_epoch, layout=self.state.epoch_layout)
         self.model.train()
         batches = iter(self.loaders.train)
-        self.running.copy_(torch.tensor(self.own_running(), dtype=torch.float64))
+        self.running.copy_(torch.tensor(self.state.running_of(self.ctx.rank, self.ctx.world_size),
+                                        dtype=torch.float64))
         bad, window, every = set(), (start, time.perf_counter()), self.cfg.logging.every_steps
         lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:
@@ -169,7 +170,7 @@ class Trainer:
             for step in range(start + 1, self.steps_per_epoch + 1):
                 micro = [next(batches) for _ in range(self.accum)]
                 self.startup.mark("first_batch")
-                bad.update(path for b in micro for path in skipped_files(b[2]))
+                bad.update(path for batch in micro for path in skipped_files(batch.skipped))
                 lrs.append(self.optimizer.param_groups[0]["lr"])
                 self.running += torch.stack([self.train_step(micro).double(), self.running.new_ones(())])
                 self.state.step, self.state.step_in_epoch = self.state.step + 1, step
@@ -186,12 +187,12 @@ class Trainer:
                               "loss": loss, "lr": lrs[-1], "lrs": lrs, "images_per_second": rate})
                     window, lrs = (step, time.perf_counter()), []
                 if step < self.steps_per_epoch:  # the epoch's last step is saved after validation
-                    self.checkpointer.after_step()
+                    self.checkpoint()
         running = self.running.clone()
         dist.all_reduce(running)
         return running[0].item() / max(running[1].item(), 1), bad
 
-    def train_step(self, micro: list) -> torch.Tensor:
+    def train_step(self, micro: list[Batch]) -> torch.Tensor:
         """Forward/backward each micro-batch (gradients synced on the last), then one optimiser step."""
         total = torch.zeros((), device=self.ctx.device)
         for i, batch in enumerate(micro):
@@ -206,13 +207,12 @@ class Trainer:
         """DDP all-reduces gradients during backward only when `sync` (the last micro-batch)."""
         return nullcontext() if sync else self.model.no_sync()
 
-    def forward_loss(self, batch: tuple, parts: int = 1) -> torch.Tensor:
+    def forward_loss(self, batch: Batch, parts: int = 1) -> torch.Tensor:
         """The loss of one (micro-)batch, divided by the micro-batches that make the step; with MixUp or
         CutMix on, of the step's mix of it, against the mixed labels."""
-        images, labels, _skipped, errors = batch
-        raise_bad_images(errors)
-        x = to_model_input(images, self.ctx.device, self.cfg.model.channels_last)
-        y = labels.to(self.ctx.device, non_blocking=True)
+        raise_bad_images(batch.errors)
+        x = to_model_input(batch.images, self.ctx.device, self.cfg.model.channels_last)
+        y = batch.labels.to(self.ctx.device, non_blocking=True)
         mix = self.mixing.draw(self.state.step, x) if self.mixing else None
         if mix:
             x = mix.images(x)
@@ -243,6 +243,17 @@ class Trainer:
                                 "lower optim.lr or add schedule.warmup_epochs")
         return loss
 
+    def checkpoint(self, top1: float | None = None) -> None:
+        """After a step, and at an epoch's end with the top-1 that decides best.pt: save when one is due,
+        then end the run if a stop signal made it due."""
+        if self.checkpointer.due(epoch_end=top1 is not None):
+            self.checkpointer.end_if_stopping(self.save(top1))
+
+    def save(self, top1: float | None = None) -> Path | None:
+        """A checkpoint of the current step, settled first; its path on writing ranks."""
+        self.settle()
+        return self.checkpointer.save(top1)
+
     def settle(self) -> None:
         """Before any checkpoint: never diverged weights, and a state every writer saves alike (each
         node's first worker writes a copy): BatchNorm statistics are rank 0's, as DDP's broadcast at the
@@ -253,18 +264,6 @@ class Trainer:
         everyone = [torch.empty_like(self.running) for _ in range(self.ctx.world_size)]
         dist.all_gather(everyone, self.running)
         self.state.running = [rank.tolist() for rank in everyone]
-
-    def own_running(self) -> list[float]:
-        """This rank's share of the epoch's running loss (sum, steps) in the run state: its own at the
-        same world size; at another, all of it on rank 0 (the epoch's loss is their sum)."""
-        saved = self.state.running
-        if not saved:
-            return [0.0, 0.0]
-        if not isinstance(saved[0], list):  # written before every rank's was kept: the writer's
-            return saved
-        if len(saved) == self.ctx.world_size:
-            return saved[self.ctx.rank]
-        return [sum(r[0] for r in saved), sum(r[1] for r in saved)] if self.ctx.is_main else [0.0, 0.0]
 
     def validate(self, bad: set[str] | None = None, module: nn.Module | None = None) -> EvalTotals:
         """Evaluate rank 0's replica (or its EMA): its BatchNorm statistics are the ones checkpointed."""
@@ -277,17 +276,14 @@ class Trainer:
     def resume(self, path: str | Path) -> None:
         """Continue exactly where a checkpoint left off, mid-epoch included; at another world size,
         follow the new global batch (`follow_world_size`)."""
-        saved = self.checkpointer.load(path)
+        saved = self.checkpointer.load(path)  # in the current format, whatever version wrote it
         if self.ema and saved.get("ema") is None:  # the run had no EMA so far: average from here on
             self.ema.restart(self.model.module)
-        saved_world = len(saved["rng"])
-        saved_batch = saved.get("global_batch") or self.cfg.global_batch(saved_world)
-        if not saved.get("samples_in_epoch"):  # written before the field existed
-            self.state.samples_in_epoch = self.state.step_in_epoch * saved_batch
-        if saved_world != self.ctx.world_size or saved_batch != self.global_batch:
+        saved_world, saved_batch = len(saved["rng"]), self.state.global_batch
+        if (saved_world, saved_batch) != (self.ctx.world_size, self.global_batch):
             self.follow_world_size(path, saved_world, saved_batch)
         self.state.global_batch = self.global_batch
-        self.state.world_sizes = [*(self.state.world_sizes or [saved_world]), self.ctx.world_size]
+        self.state.world_sizes.append(self.ctx.world_size)
 
     def follow_world_size(self, path: str | Path, saved_world: int, saved_batch: int) -> None:
         """Resume a checkpoint written at another world size (a node lost or added).
@@ -307,11 +303,7 @@ class Trainer:
         ratio = self.lr / self.cfg.optim.effective_lr(saved_batch)
         self.state.step_in_epoch = math.ceil(self.state.samples_in_epoch / self.global_batch)
         position = self.state.epoch * self.steps_per_epoch + self.state.step_in_epoch
-        self.scheduler.base_lrs = [base * ratio for base in self.scheduler.base_lrs]
-        self.scheduler.last_epoch = position
-        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
-                                       self.scheduler.lr_lambdas, strict=True):
-            group["initial_lr"], group["lr"] = base, base * factor(position)
+        resume_schedule(self.scheduler, ratio, position)
         self.log({"split": "world_size", "epoch": self.state.epoch + 1, "step": self.state.step,
                   "world_size": self.ctx.world_size, "previous": saved_world,
                   "global_batch": self.global_batch, "lr": self.lr})

@@ -74,9 +74,9 @@ def test_loaders_pin_memory_on_cuda_and_batches_reach_the_device(demo_registry):
     """The loaders a worker builds pin memory on CUDA; a batch arrives pinned and lands on the GPU
     (non_blocking copy) with the same values as on the CPU."""
     from ddp_cli.config import config_from_dict
-    from ddp_cli.data.pipeline.loaders import build_loaders
+    from ddp_cli.data.pipeline.loaders import Batch, build_loaders
     from ddp_cli.data.pipeline.transforms import to_model_input
-    from ddp_cli.indexing import resolve_dataset
+    from ddp_cli.index_build import resolve_dataset
 
     raw = tomllib.loads((REPO / "configs/demo.toml").read_text())
     raw["data"]["workers"] = 1  # a loader process: pinning happens in the main process's pin thread
@@ -86,10 +86,12 @@ def test_loaders_pin_memory_on_cuda_and_batches_reach_the_device(demo_registry):
     loaders = build_loaders(cfg.data, fs, root, index, 0, 1, cfg.seed, pin_memory=True)
     assert loaders.train.pin_memory and loaders.val.pin_memory
     for loader in (loaders.train, loaders.val):
-        images, labels, *_ = next(iter(loader))
-        assert images.is_pinned() and labels.is_pinned()
-        x = to_model_input(images, torch.device("cuda"), channels_last=True)
+        batch = next(iter(loader))
+        assert isinstance(batch, Batch)  # pinning keeps the named tuple
+        assert batch.images.is_pinned() and batch.labels.is_pinned()
+        x = to_model_input(batch.images, torch.device("cuda"), channels_last=True)
         torch.cuda.synchronize()
         assert x.is_cuda and x.is_contiguous(memory_format=torch.channels_last)
-        torch.testing.assert_close(x.cpu(), to_model_input(images, torch.device("cpu"), channels_last=True))
+        on_cpu = to_model_input(batch.images, torch.device("cpu"), channels_last=True)
+        torch.testing.assert_close(x.cpu(), on_cpu)
 

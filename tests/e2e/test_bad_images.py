@@ -13,7 +13,7 @@ from synthetic import make_imagenet_loc, plant, write_registry
 from torch.utils.data import DataLoader
 
 from ddp_cli.config import ModelConfig
-from ddp_cli.data.pipeline.loaders import ImageDataset
+from ddp_cli.data.pipeline.loaders import ImageDataset, collate
 from ddp_cli.data.pipeline.transforms import ValTransform
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.models import build_model
@@ -110,7 +110,7 @@ def test_validation_under_skip_excludes_bad_images_and_names_them(tmp_path):
     bad: set[str] = set()
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="resnet_tiny"), 3, 32)
-    metrics = evaluate(model, DataLoader(dataset, batch_size=3), torch.device("cpu"), "fp32", False,
-                       bad).metrics
+    loader = DataLoader(dataset, batch_size=3, collate_fn=collate)
+    metrics = evaluate(model, loader, torch.device("cpu"), "fp32", False, bad).metrics
     assert metrics["images"] == 6  # 7 rows, the bad one's stand-in not counted
     assert bad == {f"{tmp_path}/{BAD_VAL}"}

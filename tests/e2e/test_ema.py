@@ -63,7 +63,7 @@ def train_save_resume(rank: int, world_size: int, folder: str) -> dict:
     for step in range(3):
         step_replica(trainer, rank, world_size, step)
         lives.append(weights(trainer))
-    trainer.checkpointer.save(top1=0.5)
+    trainer.save(top1=0.5)
     trainer.close()
     state = load_checkpoint(f"{folder}/checkpoints/last.pt")
     resumed = make_trainer(rank, world_size, make_config(EMA), 3, folder)

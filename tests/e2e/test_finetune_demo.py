@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from conftest import last_json, run_ddp
 
-from ddp_cli.train.trained import load_trained
+from ddp_cli.train.checkpoint_model import load_trained
 
 # the demo's first 5 classes at 8 px, two short epochs of 3 steps on one worker
 RUN = ["train.precision=fp32", "data.image_size=8", "data.val_resize=8", "data.workers=0", "train.epochs=2",

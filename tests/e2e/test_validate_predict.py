@@ -87,7 +87,7 @@ def test_saved_probabilities_belong_to_the_files_they_name(validated, trained_de
     """Two rows recomputed from their image files with the checkpoint's weights."""
     from ddp_cli.data.pipeline.images import open_image
     from ddp_cli.data.pipeline.transforms import ValTransform, to_model_input
-    from ddp_cli.train.trained import load_trained
+    from ddp_cli.train.checkpoint_model import load_trained
 
     trained = load_trained(trained_demo / "checkpoints" / "last.pt")
     model, data = trained.build(), trained.cfg.data

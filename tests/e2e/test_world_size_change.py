@@ -13,10 +13,12 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from replicas import make_config, make_trainer, step_replica
 
 from ddp_cli.errors import ConfigError
 from ddp_cli.run.loopback import run_workers
+from ddp_cli.train.checkpoint import load_checkpoint
 from ddp_cli.train.schedules import lr_factor
 
 STEPS_PER_EPOCH = {2: 10, 1: 20}  # the same split at batch 4 per rank: 80 images
@@ -32,7 +34,7 @@ def train_and_checkpoint(rank: int, world_size: int, folder: str) -> str:
         trainer.state.step += 1
         trainer.state.step_in_epoch += 1
         trainer.state.samples_in_epoch += trainer.global_batch
-    return str(trainer.checkpointer.save())
+    return str(trainer.save())
 
 
 def resume(rank: int, world_size: int, path: str, folder: str, policy: str) -> dict:
@@ -91,3 +93,28 @@ def test_the_same_world_size_resumes_unchanged(checkpoint):
     assert out["state"]["step_in_epoch"] == DONE and out["position"] == DONE
     cfg = make_config(SECTIONS)
     assert out["lr"] == pytest.approx(cfg.optim.effective_lr(8) * lr_factor(cfg.schedule, 10, 20)(DONE))
+
+
+def as_written_at(version: int, path: str, folder: str) -> str:
+    """The fixture's checkpoint as ddp wrote it at format `version` (no version field, no manifest)."""
+    state = load_checkpoint(path)
+    for key in ("format_version", "descriptions", "epoch_layout", "io_retries"):
+        state.pop(key, None)
+    if version < 2:  # the writer's running loss only, no world sizes
+        state["running"] = state["running"][0]
+        del state["world_sizes"]
+    if version < 1:  # the global batch follows from the config every run's checkpoint holds
+        del state["global_batch"], state["samples_in_epoch"]
+        state["config"] = make_config(SECTIONS).model_dump(mode="json")
+    old = Path(folder) / f"v{version}.pt"
+    torch.save(state, old)
+    return str(old)
+
+
+@pytest.mark.parametrize("version", [0, 1, 2])
+def test_checkpoints_of_earlier_formats_resume_at_another_world_size(checkpoint, version):
+    path, folder = checkpoint
+    out = run_workers(resume, 1, as_written_at(version, path, folder), folder, "rescale")[0]
+    assert out["state"]["samples_in_epoch"] == DONE * 8 and out["state"]["step_in_epoch"] == 6
+    assert out["position"] == 6 and out["state"]["world_sizes"] == [2, 1]
+    assert out["initial_lr"] == pytest.approx(2.0 * 4 / 256)

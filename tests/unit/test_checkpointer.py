@@ -28,7 +28,7 @@ def checkpointer(folder: Path, background: bool, **kwargs) -> tuple[Checkpointer
     model, optimizer = parts()
     ckpt = Checkpointer(CheckpointStore(folder, keep_last=5), background=background, **kwargs)
     progress = RunState(epoch=1, step=7, global_batch=32)
-    ckpt.track(progress, before_save=lambda: None)
+    ckpt.track(progress)
     ckpt.register(model=model, optimizer=optimizer)
     return ckpt, model, progress
 
@@ -112,8 +112,10 @@ def test_a_stop_ends_the_run_only_once_its_checkpoint_is_on_disk(tmp_path):
     ckpt, _, _ = checkpointer(tmp_path, background=True, stop=AgreedStop())
     ckpt.store = store = GatedStore(tmp_path)
     threading.Timer(0.2, store.gate.set).start()
+    assert ckpt.due()  # the stop makes a save due
+    path = ckpt.save()
     with pytest.raises(DdpError, match="stopped by SIGTERM after step 7") as stopped:
-        ckpt.after_step()
+        ckpt.end_if_stopping(path)
     assert stopped.value.exit_code == 143
     assert verify(store.path_for(7)) is None  # written and checked before the error was raised
 
@@ -121,7 +123,7 @@ def test_a_stop_ends_the_run_only_once_its_checkpoint_is_on_disk(tmp_path):
 def test_progress_round_trips_field_by_field_and_missing_parts_are_named(tmp_path):
     ckpt, _, progress = checkpointer(tmp_path, background=False)
     progress.history.append({"epoch": 1, "top1": 0.5})
-    progress.samples_in_epoch, progress.running = 96, [3.5, 2.0]
+    progress.samples_in_epoch, progress.running = 96, [[3.5, 2.0]]
     path = ckpt.save(top1=0.5)
     other, _, restored = checkpointer(tmp_path / "other", background=False)
     restored.step = 0
@@ -133,3 +135,13 @@ def test_progress_round_trips_field_by_field_and_missing_parts_are_named(tmp_pat
         bare.load(path)
     bare.optional.add("ema")
     bare.load(path)  # an optional part may be absent
+
+
+def test_a_save_is_due_at_an_epochs_end_every_n_steps_and_on_a_stop(tmp_path):
+    ckpt, _, progress = checkpointer(tmp_path, background=False, every_steps=4)
+    assert ckpt.due(epoch_end=True) and not ckpt.due()  # step 7
+    progress.step = 8
+    assert ckpt.due()
+    ckpt.end_if_stopping(None)  # no stop agreed: nothing ends
+    ckpt.every, progress.step, ckpt.stop = 0, 9, AgreedStop()
+    assert ckpt.due() and ckpt.stopping == signal.SIGTERM

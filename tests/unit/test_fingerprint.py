@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddp_cli.run.worker import weights_fingerprint
+from ddp_cli.run.training import weights_fingerprint
 
 
 def model() -> nn.Module:

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import default_collate
 from torchvision.transforms import CenterCrop, RandomResizedCrop, Resize
 
 from ddp_cli.data.pipeline.images import BadImage, decode, decode_rgb, open_image
-from ddp_cli.data.pipeline.loaders import ImageDataset, requested, skipped_files
+from ddp_cli.data.pipeline.loaders import ImageDataset, collate, requested, skipped_files
 from ddp_cli.data.pipeline.transforms import (
     MEAN,
     STD,
@@ -221,10 +220,11 @@ def test_skipped_files_and_requested_mask_of_a_collated_batch(mixed_folder):
     root, table = mixed_folder
     dataset = ImageDataset(fsspec.filesystem("file"), str(root), table, ValTransform(16, 18),
                            on_bad_image="skip", out_size=16)
-    _, _, skipped, errors = default_collate([dataset[i] for i in range(4)])
-    assert skipped_files(skipped) == [f"{root}/bad.JPEG", f"{root}/gone.JPEG"]
-    assert requested(skipped).tolist() == [True, False, True, False]
-    assert list(errors) == [""] * 4
+    batch = collate([dataset[i] for i in range(4)])
+    assert skipped_files(batch.skipped) == [f"{root}/bad.JPEG", f"{root}/gone.JPEG"]
+    assert requested(batch.skipped).tolist() == [True, False, True, False]
+    assert list(batch.errors) == [""] * 4 and batch.images.shape == (4, 16, 16, 3)
+    assert batch.labels.dtype == torch.int64
 
 
 def test_error_policy_returns_the_message_naming_the_file(mixed_folder):

@@ -9,11 +9,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_cli.config import RunConfig
+from ddp_cli.data.pipeline.loaders import collate
 from ddp_cli.data.sources.inputs import expand_inputs, input_root
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.train.checkpoint import save_checkpoint
+from ddp_cli.train.checkpoint_model import load_trained
 from ddp_cli.train.inference import evaluate, predict
-from ddp_cli.train.trained import load_trained
 
 CPU = torch.device("cpu")
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
@@ -51,7 +51,8 @@ def by_hand(net: nn.Module, images: torch.Tensor, flip: bool) -> torch.Tensor:
 @pytest.mark.parametrize("tta", [False, True])
 def test_flip_tta_averages_the_logits_of_the_image_and_its_mirror(tta):
     data, net = Images(10), model()
-    totals = evaluate(net, DataLoader(data, batch_size=4), CPU, "fp32", False, tta=tta, keep_topk=4)
+    totals = evaluate(net, DataLoader(data, batch_size=4, collate_fn=collate), CPU, "fp32", False, tta=tta,
+                      keep_topk=4)
     logits = by_hand(net, data.images, flip=tta)
     nll = nn.functional.cross_entropy(logits, data.labels)
     assert totals.metrics["loss"] == pytest.approx(nll.item(), rel=1e-5)
@@ -59,13 +60,13 @@ def test_flip_tta_averages_the_logits_of_the_image_and_its_mirror(tta):
     probs = torch.tensor([row[3] for row in totals.kept])
     order = torch.tensor([row[2] for row in totals.kept])
     torch.testing.assert_close(probs, logits.softmax(1).gather(1, order))
-    plain = evaluate(net, DataLoader(data, batch_size=4), CPU, "fp32", False, tta=not tta)
+    plain = evaluate(net, DataLoader(data, batch_size=4, collate_fn=collate), CPU, "fp32", False, tta=not tta)
     assert plain.metrics["loss"] != pytest.approx(totals.metrics["loss"], rel=1e-6)  # the flip matters
 
 
 def test_predict_answers_every_input_in_order_and_a_bad_one_with_its_error():
     data, net = Images(7, bad=3), model()
-    rows = predict(net, DataLoader(data, batch_size=3), CPU, "fp32", False, k=2)
+    rows = predict(net, DataLoader(data, batch_size=3, collate_fn=collate), CPU, "fp32", False, k=2)
     assert [row[0] for row in rows] == list(range(7))
     assert rows[3][1:] == ("truncated", [], [])
     expected = by_hand(net, data.images, flip=False).softmax(1).topk(2, dim=1)
@@ -76,15 +77,16 @@ def test_predict_answers_every_input_in_order_and_a_bad_one_with_its_error():
 
 
 def checkpoint(path, ema: bool) -> None:
+    """A checkpoint as ddp wrote one before descriptions were kept (no format version)."""
     torch.manual_seed(0)
     from ddp_cli.models import TinyResNet
 
     live, average = TinyResNet(3).state_dict(), TinyResNet(3).state_dict()
     cfg = RunConfig.model_validate({"model": {"name": "resnet_tiny"}, "data": {"image_size": 32}})
-    save_checkpoint({"model": live, "ema": {"module": average, "updates": 5} if ema else None,
-                     "final": {"top1": 0.5}, "final_ema": {"top1": 0.6} if ema else None,
-                     "config": cfg.model_dump(mode="json"), "classes": ["a", "b", "c"],
-                     "dataset": {"name": "d"}}, path)
+    torch.save({"format": 1, "model": live, "ema": {"module": average, "updates": 5} if ema else None,
+                "final": {"top1": 0.5}, "final_ema": {"top1": 0.6} if ema else None,
+                "config": cfg.model_dump(mode="json"), "classes": ["a", "b", "c"],
+                "dataset": {"name": "d"}}, path)
 
 
 def test_a_checkpoint_as_a_classifier_with_its_live_or_ema_weights(tmp_path):
@@ -137,7 +139,8 @@ def evaluate_one_image(rank: int, world_size: int) -> dict:
     from ddp_cli.data.pipeline.sampler import ShardSampler
 
     data = Images(1)
-    loader = DataLoader(data, batch_size=4, sampler=ShardSampler(1, rank, world_size, shuffle=False))
+    loader = DataLoader(data, batch_size=4, sampler=ShardSampler(1, rank, world_size, shuffle=False),
+                        collate_fn=collate)
     totals = evaluate(model(), loader, CPU, "fp32", False, topk=(1, 3))
     return {**totals.metrics, "confusion": totals.confusion.tolist()}
 

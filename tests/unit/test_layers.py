@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.data.pipeline",),
     ("ddp_cli.data.pack", "ddp_cli.distributed", "ddp_cli.models", "ddp_cli.observe"),
     ("ddp_cli.registry",),
-    ("ddp_cli.indexing",),
+    ("ddp_cli.index_build",),
     ("ddp_cli.train",),
     ("ddp_cli.envinfo", "ddp_cli.export"),
     ("ddp_cli.run",),

@@ -91,13 +91,13 @@ class FreezeCount(Dataset):
     def __len__(self) -> int:
         return 2
 
-    def __getitem__(self, index: int) -> int:
-        return gc.get_freeze_count()
+    def __getitem__(self, index: int) -> tuple[int, int, str, str]:
+        return gc.get_freeze_count(), 0, "", ""  # ImageDataset's (image, label, skipped, error)
 
 
 def test_loader_processes_keep_the_objects_they_inherit_out_of_the_gc():
     """A collection in a loader process would write to, and so copy, every page of the rank's objects."""
     sampler = ShardSampler(2, 0, 1, shuffle=False)
     loader = make_loader(FreezeCount(), sampler, 2, 1, 2, pin_memory=False, drop_last=False, seed=0)
-    (counts,) = list(loader)
-    assert counts.min() > 1000
+    (batch,) = list(loader)
+    assert batch.images.min() > 1000

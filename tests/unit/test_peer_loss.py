@@ -13,10 +13,10 @@ from ddp_cli.commands import resume_command
 from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed import heartbeat
 from ddp_cli.distributed.heartbeat import Heartbeat, describe_loss
+from ddp_cli.distributed.peer_loss import lost_a_peer
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.errors import ConfigError
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous
-from ddp_cli.run.worker import lost_a_peer
 
 
 @pytest.mark.parametrize(("spec", "nodes"), [("2", (2, None)), ("1:2", (2, 1)), ("3:3", (3, 3))])
@@ -68,6 +68,38 @@ def test_a_timeout_is_a_hang_and_a_closed_connection_a_loss_naming_rank_and_node
 def test_peer_losses_are_recognised(text):
     assert lost_a_peer(RuntimeError(text))
     assert not lost_a_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+@pytest.mark.parametrize("error", [
+    dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed."),  # store host gone
+    dist.DistStoreError("Timed out after 4 seconds waiting for clients. 1/2 clients joined."),
+    dist.DistBackendError("NCCL communicator was aborted on rank 1."),  # NCCL: aborted, or its watchdog
+    dist.DistError("any other failure torch types as distributed"),
+])
+def test_torchs_typed_errors_are_peer_losses_whatever_they_say(error):
+    assert lost_a_peer(error)
+
+
+def test_a_real_store_whose_host_is_gone_raises_a_typed_error():
+    """What TCPStore raises when the host of the job's store (node 0's agent) goes: typed, no text read."""
+    from datetime import timedelta
+
+    from ddp_cli.run.loopback import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
+    client.add("k", 1)
+    del server
+    with pytest.raises(dist.DistError) as raised:
+        client.add("k", 1)
+    assert isinstance(raised.value, dist.DistNetworkError) and lost_a_peer(raised.value)
+
+
+def test_other_errors_are_not_peer_losses():
+    assert not lost_a_peer(ValueError("Connection closed by peer"))  # gloo raises RuntimeError only
+    assert not lost_a_peer(KeyError("rng"))
+    assert not lost_a_peer(RuntimeError("CUDA out of memory"))
 
 
 def test_the_pulse_names_the_ranks_that_went_silent(monkeypatch):

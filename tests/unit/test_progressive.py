@@ -47,6 +47,6 @@ def test_persistent_loader_processes_crop_at_each_epochs_size(tmp_path):
     seen = []
     for epoch in range(4):
         loaders.train_sampler.set_epoch(epoch)
-        seen.append({tuple(images.shape[1:3]) for images, *_ in loaders.train})
+        seen.append({tuple(batch.images.shape[1:3]) for batch in loaders.train})
     assert seen == [{(16, 16)}, {(16, 16)}, {(32, 32)}, {(32, 32)}]
-    assert {tuple(images.shape[1:3]) for images, *_ in loaders.val} == {(24, 24)}
+    assert {tuple(batch.images.shape[1:3]) for batch in loaders.val} == {(24, 24)}

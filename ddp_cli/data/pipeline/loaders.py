@@ -11,13 +11,14 @@ import contextlib
 import ctypes
 import gc
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import fsspec
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.fetch.retry import IoPolicy, count_retries
@@ -210,12 +211,26 @@ def start_loader_process(worker_id: int) -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the rank forks from its main thread
 
 
-def skipped_files(field: list[str]) -> list[str]:
+class Batch(NamedTuple):
+    """What every loader yields: the items of `ImageDataset`, collated (a field per item part)."""
+
+    images: torch.Tensor  # uint8, N x H x W x C (`to_model_input` makes the model's input)
+    labels: torch.Tensor  # int64
+    skipped: Sequence[str]  # per item: the bad files it stands in for, newline-joined ("" if none)
+    errors: Sequence[str]  # per item: a message to raise ("" if none)
+
+
+def collate(items: list[tuple]) -> Batch:
+    """The DataLoader's collate_fn: the default one, read by name."""
+    return Batch(*default_collate(items))
+
+
+def skipped_files(field: Sequence[str]) -> list[str]:
     """The bad files a batch's `skipped` field names."""
     return [path for joined in field if joined for path in joined.split("\n")]
 
 
-def requested(field: list[str]) -> torch.Tensor:
+def requested(field: Sequence[str]) -> torch.Tensor:
     """Which items of a batch are the samples asked for (not stand-ins for bad files)."""
     return torch.tensor([not joined for joined in field], dtype=torch.bool)
 
@@ -251,6 +266,7 @@ def make_loader(
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(seed),
         worker_init_fn=start_loader_process,
+        collate_fn=collate,
     )
 
 

@@ -28,7 +28,7 @@ class Trained:
     path: Path
     cfg: RunConfig
     classes: list[str]  # synsets (or class folder names), in label order
-    descriptions: list[str]  # one per class; the synset again where the checkpoint has none
+    descriptions: list[str]  # one per class (the synsets again in checkpoints written before them)
     weights: Weights
     state_dict: dict[str, torch.Tensor] | None  # None: the file has none (refused when built)
     final: dict[str, Any]  # the last validation of these weights during training ({} if none)
@@ -48,7 +48,8 @@ class Trained:
 
 
 def load_trained(path: str | Path, weights: Weights = "model", cfg: RunConfig | None = None) -> Trained:
-    """Read `path` (safely, `load_checkpoint`); `cfg` replaces the checkpoint's own config."""
+    """Read `path` (safely and in the current format, `load_checkpoint`); `cfg` replaces the checkpoint's
+    own config."""
     state = load_checkpoint(path)
     cfg = (cfg or config_from_dict(state["config"], str(path))).resolved(
         {"model.weights": None}, str(path))  # the checkpoint's weights are used, not the run's start
@@ -60,5 +61,5 @@ def load_trained(path: str | Path, weights: Weights = "model", cfg: RunConfig | 
     else:
         tensors, final = state.get("model"), state.get("final") or {}
     classes = list(state["classes"])
-    return Trained(Path(path), cfg, classes, list(state.get("descriptions") or classes), weights,
+    return Trained(Path(path), cfg, classes, list(state["descriptions"]), weights,
                    tensors, dict(final), dict(state.get("dataset") or {}))

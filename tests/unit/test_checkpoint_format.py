@@ -1,0 +1,104 @@
+"""Checkpoint format versions: each older format, as the files of its time held it, comes out of
+`migrate` in the current one, and every save says its version."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_cli.config import RunConfig
+from ddp_cli.errors import DataError
+from ddp_cli.train.checkpoint import (
+    FORMAT_VERSION,
+    RunState,
+    format_version,
+    load_checkpoint,
+    migrate,
+    save_checkpoint,
+)
+from ddp_cli.train.schedules import resume_schedule
+
+CONFIG = RunConfig.model_validate({"data": {"dataset": "demo", "batch_size": 4}, "train": {"grad_accum": 2}})
+CLASSES = ["n01", "n02"]
+
+
+def written_at(version: int) -> dict:
+    """A checkpoint of two ranks, three steps into epoch 2, with the fields its version's files held."""
+    state = {"format": 1, "epoch": 1, "step": 13, "step_in_epoch": 3, "running": [6.0, 3.0],
+             "rng": [{"torch": torch.zeros(2)}, {"torch": torch.ones(2)}], "model": {"w": torch.ones(2)},
+             "config": CONFIG.model_dump(mode="json"), "classes": CLASSES, "dataset": {"name": "demo"}}
+    if version >= 1:  # 2026-11-23: the global batch and the epoch's position in images
+        state.update(global_batch=16, samples_in_epoch=48)
+    if version >= 2:  # every rank's running loss, the world size of each segment
+        state.update(running=[[6.0, 3.0], [5.0, 3.0]], world_sizes=[2])
+    if version >= 3:  # class descriptions, the epoch's sampler layout
+        state.update(descriptions=["tench", "goldfish"], epoch_layout=8)
+    return state
+
+
+@pytest.mark.parametrize("version", [0, 1, 2, 3])
+def test_files_without_a_version_are_read_off_what_they_hold(version):
+    assert format_version(written_at(version)) == version
+    assert format_version({**written_at(0), "format_version": 7}) == 7
+
+
+def test_version_0_gains_the_global_batch_and_position_from_its_own_config_and_world():
+    state = migrate(written_at(0))
+    assert state["global_batch"] == CONFIG.global_batch(2) == 16  # 2 ranks x batch 4 x 2 micro-steps
+    assert state["samples_in_epoch"] == 3 * 16
+    assert state["running"] == [[6.0, 3.0], [6.0, 3.0]]  # the writer's, which every rank resumed from
+    assert state["world_sizes"] == [2] and state["descriptions"] == CLASSES
+    assert state["format_version"] == FORMAT_VERSION
+
+
+def test_version_1_keeps_its_position_and_gives_every_rank_the_writers_running_loss():
+    state = migrate({**written_at(1), "samples_in_epoch": 40})  # what the file says wins
+    assert (state["global_batch"], state["samples_in_epoch"]) == (16, 40)
+    assert state["running"] == [[6.0, 3.0], [6.0, 3.0]] and state["world_sizes"] == [2]
+    assert state["descriptions"] == CLASSES
+
+
+def test_version_2_gains_descriptions_and_nothing_else_changes():
+    old = written_at(2)
+    state = migrate(old)
+    assert state["descriptions"] == CLASSES
+    assert {k: v for k, v in state.items() if k not in ("descriptions", "format_version")} == old
+
+
+def test_the_current_version_passes_through_and_a_newer_one_is_refused():
+    current = {**written_at(3), "format_version": FORMAT_VERSION}
+    assert migrate(current) == current
+    with pytest.raises(DataError, match="newer ddp .*format 4"):
+        migrate({**current, "format_version": FORMAT_VERSION + 1})
+
+
+def test_a_file_without_training_state_keeps_none():
+    state = migrate({"format": 1, "classes": CLASSES, "config": {}})  # e.g. what a test hands validate
+    assert state == {"format": 1, "classes": CLASSES, "config": {}, "descriptions": CLASSES,
+                     "format_version": FORMAT_VERSION}
+
+
+def test_a_migrated_file_restores_into_the_run_state_and_saves_say_their_version(tmp_path):
+    path = tmp_path / "old.pt"
+    torch.save(written_at(0), path)  # as ddp wrote it then: no version, no manifest
+    state = load_checkpoint(path)
+    progress = RunState()
+    progress.load_state_dict(state)
+    assert (progress.global_batch, progress.samples_in_epoch, progress.world_sizes) == (16, 48, [2])
+    assert progress.running_of(1, 2) == [6.0, 3.0]
+    assert progress.running_of(0, 1) == [12.0, 6.0] and progress.running_of(1, 3) == [0.0, 0.0]
+    save_checkpoint(state, tmp_path / "new.pt")
+    assert torch.load(tmp_path / "new.pt", weights_only=True)["format_version"] == FORMAT_VERSION
+
+
+def test_resume_schedule_rescales_the_peak_and_continues_at_the_step():
+    params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD([{"params": params[:1], "lr": 0.4}, {"params": params[1:], "lr": 0.2}])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    resume_schedule(scheduler, 0.5, step=3)
+    assert scheduler.base_lrs == [0.2, 0.1] and scheduler.last_epoch == 3
+    assert [g["initial_lr"] for g in optimizer.param_groups] == [0.2, 0.1]
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.05, 0.025])
+    optimizer.step()
+    scheduler.step()  # and the schedule goes on from there
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.04, 0.02])
