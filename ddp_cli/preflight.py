@@ -21,8 +21,9 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_loaders
+from ddp_cli.data.pipeline.sharedmem import check_shared_memory
 from ddp_cli.data.sources.table import IndexTable
-from ddp_cli.distributed.setup import DistContext, choose_backend, cuda_devices
+from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.indexing import IndexBuild
 from ddp_cli.models import check_model, is_weight_name
@@ -78,7 +79,9 @@ def joined_workers(cfg: RunConfig, ctx: DistContext) -> Workers:
 
 
 def place_workers(cfg: RunConfig, nproc: int, nnodes: int) -> Workers:
-    """Backend, device and precision of `nproc` workers on this node, as each worker will choose them."""
+    """Backend, device and precision of `nproc` workers on this node, as each worker will choose them
+    (the launcher's CUDA left uninitialised: counts and bf16 support come from the driver, `gpus`)."""
+    check_gpus_usable(cfg.distributed.backend)
     backend = choose_backend(cfg.distributed.backend, cuda_devices(), nproc)
     device = "cuda" if backend == "nccl" else "cpu"
     precision = resolve_precision(cfg.train.precision, torch.device(device))
@@ -116,10 +119,12 @@ def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) ->
 def choose_node_loaders(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index: IndexTable,
                         model: nn.Module, split: str) -> LoaderChoice:
     """`choose_loaders` for this node's workers; `LoaderChoice.settings()` resolves the config with it,
-    so the workers read concrete numbers."""
+    so the workers read concrete numbers. Their batches must fit in this node's /dev/shm."""
     fs, root = entry.open()
-    return choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split],
-                          model, train=split == "train", augment=cfg.augment)
+    choice = choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split],
+                            model, train=split == "train", augment=cfg.augment)
+    check_shared_memory(cfg.data, choice.workers, choice.prefetch_factor, workers.nproc)
+    return choice
 
 
 def checked_resume(resume: str) -> str:
