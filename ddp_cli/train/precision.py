@@ -35,6 +35,14 @@ def native_bf16(device: torch.device) -> bool:
     return any(flag in flags for flag in CPU_BF16_FLAGS)
 
 
+def runs_natively(precision: str, device: torch.device) -> bool:
+    """Whether `device` computes `precision` at full speed: fp32 anywhere, fp16 on CUDA, bf16 where
+    `native_bf16`."""
+    if precision == "bf16":
+        return native_bf16(device)
+    return precision == "fp32" or (precision == "fp16" and device.type == "cuda")
+
+
 def resolve_precision(requested: str, device: torch.device) -> str:
     """The precision a worker on `device` trains in: "auto" made concrete, fp16 checked."""
     if requested == "auto":
