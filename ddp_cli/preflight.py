@@ -13,6 +13,7 @@ prints it, `commands.train` hands it to the workers, and nothing edits it after.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
+from ddp_cli.run.network import warn_loopback_host
 from ddp_cli.train.optim import check_optimizer
 from ddp_cli.train.precision import resolve_precision
 from ddp_cli.train.trainer import count_steps
@@ -70,6 +72,7 @@ class Preflight:
 def launch_workers(cfg: RunConfig, opts: LaunchOptions) -> Workers:
     """The workers our own launch would start on this node."""
     check_rendezvous(opts, cfg.distributed)
+    warn_loopback_host(opts.nnodes, opts.rdzv_endpoint, os.environ)
     return place_workers(cfg, resolve_nproc(opts, cfg.distributed), opts.nnodes)
 
 
