@@ -9,7 +9,6 @@ Each worker's output also goes to JOB_DIR/logs (`run.logs`).
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
@@ -28,6 +27,7 @@ from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.setup import cuda_devices
 from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
 from ddp_cli.run.jobs import clear_errors, first_error
+from ddp_cli.run.logenv import quiet_torch_logs
 from ddp_cli.run.logs import RankLogs
 from ddp_cli.run.network import gloo_environment
 from ddp_cli.run.worker import LAUNCHED, forked
@@ -155,45 +155,6 @@ def run_id(opts: LaunchOptions) -> str:
     if opts.rdzv_id:
         return opts.rdzv_id
     return f"ddp-{opts.rdzv_endpoint}" if opts.rdzv_endpoint else uuid.uuid4().hex
-
-
-# Log levels through the environment, (default, with -v), for this process and the workers: ddp's own
-# ($DDP_LOG_LEVEL); torch.distributed.elastic's Python loggers ($LOGLEVEL, read as they are created) and
-# c10d's C++ ($TORCH_CPP_LOG_LEVEL). torch's warnings (a gloo socket bound to loopback, a rendezvous
-# retried) show by default, its info chatter and C++ info only with -v; the agent's echo of a worker
-# failure, which we report in one line, never (`AgentEchoes`). The CLI sets these (`configure_logging`).
-LOG_ENV = {"DDP_LOG_LEVEL": ("INFO", "DEBUG"), "LOGLEVEL": ("WARNING", "DEBUG"),
-           "TORCH_CPP_LOG_LEVEL": ("WARNING", "INFO")}
-
-
-class AgentEchoes(logging.Filter):
-    """Drops the elastic agent's own account of a failure (`failure` names it once, with its cause):
-    its "failed (exitcode ...)" with the traceback of the agent's wait, "Closing process ..." or
-    "Terminating process ..." (forked workers) for each survivor, the death-signal and exit-barrier lines."""
-
-    ECHOES = ("failed (exitcode", "Closing process", "Terminating process", "Received %s death signal",
-              "Got termination signal", "Error waiting on exit barrier")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.ECHOES)
-
-
-ECHO_FILTER = AgentEchoes()
-TORCH_LOGGERS = ("torch.distributed", "torch.multiprocessing")  # the agent; its forked workers' context
-
-
-def quiet_torch_logs() -> None:
-    """torch.distributed's Python log lines at $LOGLEVEL (set by the CLI: warnings, or everything
-    with --verbose); below DEBUG, without the agent's echo of failures we report ourselves."""
-    level = os.environ.get("LOGLEVEL", "WARNING")
-    names = {n for n in logging.root.manager.loggerDict if n.startswith(TORCH_LOGGERS)}
-    for name in names | set(TORCH_LOGGERS):
-        logger = logging.getLogger(name)
-        logger.setLevel(level)
-        if level == "DEBUG":
-            logger.removeFilter(ECHO_FILTER)
-        else:
-            logger.addFilter(ECHO_FILTER)  # a set: adding it twice keeps one
 
 
 WORKER_START = "DDP_WORKER_START"

@@ -14,7 +14,7 @@ import pytest
 
 from ddp_cli.config import DistributedConfig, RunConfig
 from ddp_cli.preflight import launch_workers
-from ddp_cli.run import launch, network
+from ddp_cli.run import launch, logenv, network
 from ddp_cli.run.launch import LaunchOptions
 
 ACROSS = {"nnodes": 2, "endpoint": "node0:29400", "env": {}}
@@ -99,18 +99,18 @@ def test_a_host_name_resolving_to_loopback_is_one_warning_line(cluster, monkeypa
 
 
 def test_torch_warnings_show_but_not_the_agents_echo_of_a_failure(monkeypatch):
-    assert launch.LOG_ENV["LOGLEVEL"][0] == launch.LOG_ENV["TORCH_CPP_LOG_LEVEL"][0] == "WARNING"
+    assert logenv.LOG_ENV["LOGLEVEL"][0] == logenv.LOG_ENV["TORCH_CPP_LOG_LEVEL"][0] == "WARNING"
     agent = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     record = lambda msg: logging.makeLogRecord({"msg": msg, "levelno": logging.ERROR})  # noqa: E731
     monkeypatch.setenv("LOGLEVEL", "WARNING")
-    launch.quiet_torch_logs()
+    logenv.quiet_torch_logs()
     assert agent.getEffectiveLevel() == logging.WARNING
     assert not agent.filter(record("failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s"))
     spawn = logging.getLogger("torch.multiprocessing.spawn")  # forked workers' context
     assert not spawn.filter(record("Terminating process %s via signal %s"))
     assert agent.filter(record("Unable to shutdown process %s via %s, forcefully exiting via %s"))
     monkeypatch.setenv("LOGLEVEL", "DEBUG")  # -v: everything
-    launch.quiet_torch_logs()
+    logenv.quiet_torch_logs()
     assert agent.filter(record("failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s"))
     monkeypatch.setenv("LOGLEVEL", "WARNING")
-    launch.quiet_torch_logs()  # torch's own default level again
+    logenv.quiet_torch_logs()  # torch's own default level again
