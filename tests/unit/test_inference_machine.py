@@ -76,3 +76,13 @@ def test_such_a_checkpoint_exports_on_the_cpu(tmp_path, no_gpu):
                                       "state_dict", "--out", str(tmp_path / "m.pt"), "--json"], env=CLI_ENV)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.strip().splitlines()[-1])["format"] == "state_dict"
+
+
+@pytest.mark.parametrize("command", ["validate", "predict"])
+def test_the_precision_flag_reaches_the_command_and_a_bad_value_is_a_usage_error(tmp_path, no_gpu, command):
+    gpu_checkpoint(tmp_path / "c.pt")
+    args = [command, "--checkpoint", str(tmp_path / "c.pt"), "--json"]
+    bad = CliRunner().invoke(app, [*args, "--precision", "fp64"], env=CLI_ENV)
+    assert bad.exit_code == 2 and "--precision fp64: use auto or fp32 or bf16 or fp16" in bad.output
+    fp16 = CliRunner().invoke(app, [*args, "--precision", "fp16"], env=CLI_ENV)  # no GPU here: refused
+    assert fp16.exit_code == 2 and "--precision fp16: needs a CUDA GPU" in fp16.output
