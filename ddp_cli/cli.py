@@ -48,6 +48,10 @@ CheckpointOpt = Annotated[Path, typer.Option(
     metavar="PATH", help="A checkpoint, e.g. RUN_DIR/checkpoints/best.pt.")]
 NprocOpt = Annotated[int, typer.Option("--nproc-per-node", min=1, metavar="N", help="Workers on this node.")]
 BatchOpt = Annotated[int | None, typer.Option(min=1, metavar="B", help="Images per worker per batch.")]
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PrecisionOpt = Annotated[str | None, typer.Option(
+    metavar="PRECISION", help="auto, fp32, bf16 or fp16 on this machine (default: the checkpoint's where "
+    "this machine computes it natively, else auto).")]
 WeightsOpt = Annotated[str, typer.Option(
     "--weights", metavar="model|ema",
     help="The checkpoint's trained weights (model) or their moving average (ema).")]
@@ -153,6 +157,7 @@ def validate(
     = None,
     tta: Annotated[str | None, typer.Option(
         metavar="flip", help="Test-time augmentation: flip (average with the mirrored image).")] = None,
+    precision: PrecisionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Evaluate a checkpoint on the whole validation split (each image counted once).
@@ -168,7 +173,8 @@ def validate(
                        topk=topk_list(topk), tta=one_of(tta, ("flip",), "--tta") == "flip" if tta else False,
                        per_class=per_class, confusion=str(confusion) if confusion else None,
                        predictions=str(predictions) if predictions else None)
-    result = commands.validate(job, config, dataset, registry, nproc_per_node, batch_size)
+    result = commands.validate(job, config, dataset, registry, nproc_per_node, batch_size,
+                               one_of(precision, PRECISIONS, "--precision") if precision else None)
     emit(result, as_json, lambda: render.print_validation(result))
 
 
@@ -186,6 +192,7 @@ def predict(
     weights: WeightsOpt = "model",
     batch_size: BatchOpt = None,
     nproc_per_node: NprocOpt = 1,
+    precision: PrecisionOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per input, one per line.")] = False,
 ) -> None:
     """The top-k classes of each image, with the checkpoint's own validation preprocessing.
@@ -201,7 +208,8 @@ def predict(
     job = commands.Job("predict", as_json, str(checkpoint), weights=one_of(weights, WEIGHTS, "--weights"),
                        topk=[topk])
     answers = commands.predict(job, inputs or [], dataset, one_of(split, ("train", "val"), "--split"),
-                               registry, nproc_per_node, batch_size)
+                               registry, nproc_per_node, batch_size,
+                               one_of(precision, PRECISIONS, "--precision") if precision else None)
     if as_json:
         for item in answers:
             print(json.dumps(item))

@@ -25,6 +25,7 @@ import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from ddp_cli.exits import exits
+from ddp_cli.run.logenv import LOG_ENV  # the levels without -v and with it (torch warnings show)
 
 RegistryOpt = Annotated[str | None, typer.Option(
     "--registry", metavar="PATH", help="data.toml to use (else $DDP_DATA_TOML, else ./data.toml).")]
@@ -147,11 +148,6 @@ def takes_verbose(command: Callable) -> Callable:
     return wrapper
 
 
-# the levels -v sets, and those without it; $LOGLEVEL: torch.distributed.elastic sets its loggers'
-# levels from it when imported, so its chatter (and C++ stack dumps of errors we report in one
-# line) shows only with --verbose
-LOG_ENV = {"DDP_LOG_LEVEL": ("INFO", "DEBUG"), "LOGLEVEL": ("CRITICAL", "DEBUG"),
-           "TORCH_CPP_LOG_LEVEL": ("FATAL", "INFO")}
 
 
 def configure_logging(verbose: bool) -> None:

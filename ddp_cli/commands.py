@@ -191,7 +191,7 @@ def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) ->
 
 
 def validate(job: Job, config: Path | None, dataset: str | None, registry: str | None,
-             nproc_per_node: int, batch_size: int | None) -> dict[str, Any]:
+             nproc_per_node: int, batch_size: int | None, precision: str | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint on the whole val split with any number of workers; the CSV files and the
     run's evaluation file (with --per-class) are written by rank 0."""
     from ddp_cli.preflight import choose_node_loaders, validation_workers
@@ -201,7 +201,7 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
     opts = LaunchOptions(nproc_per_node)
     single_threaded()
     trained = load_trained(job.checkpoint, job.weights, load_config(config) if config else None)
-    cfg = inference_config(trained, batch_size, dataset)
+    cfg = inference_config(trained, batch_size, dataset, precision)
     workers, model = validation_workers(cfg, len(trained.classes), opts)
     stored = None if dataset or registry else DatasetEntry.model_validate(trained.dataset)
     entry, index = resolve_dataset(cfg, registry, trained.classes, ("val",), stored)
@@ -215,10 +215,33 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
     return {**result, **{key: path for key, path in files.items() if path}}
 
 
-def inference_config(trained: Trained, batch_size: int | None, dataset: str | None) -> RunConfig:
-    """The checkpoint's config with the command's --batch-size and --dataset."""
-    changes = {"data.batch_size": batch_size} if batch_size else {}
+def inference_config(trained: Trained, batch_size: int | None, dataset: str | None,
+                     precision: str | None = None) -> RunConfig:
+    """The checkpoint's config with the command's --batch-size, --dataset and --precision, chosen for
+    the machine this command runs on, not the one that trained: backend "auto" (a run trained with
+    nccl validates on a laptop) and the precision `inference_precision` picks."""
+    chosen = inference_precision(precision, trained.cfg.train.precision)
+    changes: dict[str, object] = {"distributed.backend": "auto", "train.precision": chosen}
+    changes |= {"data.batch_size": batch_size} if batch_size else {}
     return trained.cfg.resolved(changes | ({"data.dataset": dataset} if dataset else {}), str(trained.path))
+
+
+def inference_precision(requested: str | None, trained: str) -> str:
+    """--precision, else the checkpoint's where this machine computes it natively (its numbers
+    then match training's), else "auto": this machine's own choice (fp16 needs CUDA; bf16 where it
+    is emulated is slower than fp32 and no closer to it)."""
+    import torch
+
+    from ddp_cli.distributed.setup import cuda_devices
+    from ddp_cli.train.precision import runs_natively
+
+    device = torch.device("cuda" if cuda_devices() else "cpu")
+    if requested == "fp16" and device.type != "cuda":
+        raise ConfigError('--precision fp16: needs a CUDA GPU and this machine has none; use "auto", '
+                          '"fp32" or "bf16"')
+    if requested:
+        return requested
+    return trained if runs_natively(trained, device) else "auto"
 
 
 def run_inference(job: Job, cfg: RunConfig, entry: DatasetEntry, index: IndexTable, nproc: int,
@@ -260,7 +283,8 @@ def evaluation_file(checkpoint: Path, weights: str) -> str | None:
 
 
 def predict(job: Job, inputs: list[str], dataset: str | None, split: str, registry: str | None,
-            nproc_per_node: int, batch_size: int | None) -> list[dict[str, Any]]:
+            nproc_per_node: int, batch_size: int | None,
+            precision: str | None = None) -> list[dict[str, Any]]:
     """Top-k classes for every input image (files, folders, S3 objects or a data set split), in order;
     a bad image is an entry with its error."""
     from ddp_cli.preflight import choose_node_loaders, validation_workers
@@ -270,7 +294,7 @@ def predict(job: Job, inputs: list[str], dataset: str | None, split: str, regist
     opts = LaunchOptions(nproc_per_node)
     single_threaded()
     trained = load_trained(job.checkpoint, job.weights)
-    cfg = inference_config(trained, batch_size, dataset)
+    cfg = inference_config(trained, batch_size, dataset, precision)
     workers, model = validation_workers(cfg, len(trained.classes), opts)
     entry, index = predict_inputs(cfg, trained, inputs, dataset, split, registry)
     cfg = cfg.resolved(choose_node_loaders(cfg, workers, entry, index, model, "val").settings())

@@ -2,7 +2,8 @@
 
 bf16 support comes from `native_bf16` and the GPU count from `cuda_devices`,
 the functions the trainer and preflight call, so what this reports is what a
-run does here. Nothing fails: a fact that cannot be read is null.
+run does here. Nothing fails: a fact that cannot be read is null, and GPUs
+torch cannot use are a finding (`gpu_problem`), the line `ddp train` refuses with.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from ddp_cli import __version__
+from ddp_cli.distributed import gpus as driver
 from ddp_cli.distributed.setup import cuda_devices
 from ddp_cli.train.precision import CPU_BF16_FLAGS, native_bf16
 
@@ -39,6 +41,8 @@ def machine() -> dict[str, Any]:
         "cudnn": cudnn_version(),
         "nccl": nccl_version(),
         "gpus": gpus(),
+        "nvidia": nvidia(),
+        "gpu_problem": driver.gpu_problem(),
         "cpu": cpu(),
         "memory_gib": memory_gib(),
         "backends": collective_backends(),
@@ -66,13 +70,29 @@ def nccl_version() -> str | None:
 
 
 def gpus() -> list[dict[str, Any]]:
-    """The CUDA devices this process sees: name, memory, compute capability."""
+    """The CUDA devices this process can use: name, memory, compute capability; from the driver
+    (NVML) where it answers, so that `ddp env` leaves CUDA uninitialised as a launcher does."""
+    count = cuda_devices()
+    seen = driver.node_gpus()
+    if len(seen) == count:
+        return [{"index": index, "name": gpu.name, "memory_gib": gpu.memory_gib,
+                 "capability": "{}.{}".format(*gpu.capability)} for index, gpu in enumerate(seen)]
     found = []
-    for index in range(cuda_devices()):
+    for index in range(count):
         props = torch.cuda.get_device_properties(index)
         found.append({"index": index, "name": props.name, "memory_gib": round(props.total_memory / GIB, 1),
                       "capability": f"{props.major}.{props.minor}"})
     return found
+
+
+def nvidia() -> dict[str, Any] | None:
+    """The NVIDIA driver: its version, the newest CUDA it runs, the GPUs it shows this process
+    (torch may not use them: `gpu_problem`); None where there is no driver."""
+    nvml = driver.read_nvml()
+    if nvml is None:
+        return None
+    return {"driver": nvml.driver, "cuda": ".".join(map(str, nvml.cuda)) if nvml.cuda else None,
+            "gpus": len(driver.visible(nvml.gpus, driver.visible_spec()))}
 
 
 def cpu() -> dict[str, Any]:

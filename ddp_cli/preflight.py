@@ -13,6 +13,7 @@ prints it, `commands.train` hands it to the workers, and nothing edits it after.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_loaders
+from ddp_cli.data.pipeline.sharedmem import check_shared_memory
 from ddp_cli.data.sources.table import IndexTable
-from ddp_cli.distributed.setup import DistContext, choose_backend, cuda_devices
+from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.index_build import IndexBuild
 from ddp_cli.models import check_model, is_weight_name
@@ -30,6 +32,7 @@ from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
+from ddp_cli.run.network import warn_loopback_host
 from ddp_cli.train.optim import check_optimizer
 from ddp_cli.train.precision import resolve_precision
 from ddp_cli.train.trainer import count_steps
@@ -69,6 +72,7 @@ class Preflight:
 def launch_workers(cfg: RunConfig, opts: LaunchOptions) -> Workers:
     """The workers our own launch would start on this node."""
     check_rendezvous(opts, cfg.distributed)
+    warn_loopback_host(opts.nnodes, opts.rdzv_endpoint, os.environ)
     return place_workers(cfg, resolve_nproc(opts, cfg.distributed), opts.nnodes)
 
 
@@ -78,7 +82,9 @@ def joined_workers(cfg: RunConfig, ctx: DistContext) -> Workers:
 
 
 def place_workers(cfg: RunConfig, nproc: int, nnodes: int) -> Workers:
-    """Backend, device and precision of `nproc` workers on this node, as each worker will choose them."""
+    """Backend, device and precision of `nproc` workers on this node, as each worker will choose them
+    (the launcher's CUDA left uninitialised: counts and bf16 support come from the driver, `gpus`)."""
+    check_gpus_usable(cfg.distributed.backend)
     backend = choose_backend(cfg.distributed.backend, cuda_devices(), nproc)
     device = "cuda" if backend == "nccl" else "cpu"
     precision = resolve_precision(cfg.train.precision, torch.device(device))
@@ -116,10 +122,12 @@ def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) ->
 def choose_node_loaders(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index: IndexTable,
                         model: nn.Module, split: str) -> LoaderChoice:
     """`choose_loaders` for this node's workers; `LoaderChoice.settings()` resolves the config with it,
-    so the workers read concrete numbers."""
+    so the workers read concrete numbers. Their batches must fit in this node's /dev/shm."""
     fs, root = entry.open()
-    return choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split],
-                          model, train=split == "train", augment=cfg.augment)
+    choice = choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split],
+                            model, train=split == "train", augment=cfg.augment)
+    check_shared_memory(cfg.data, choice.workers, choice.prefetch_factor, workers.nproc)
+    return choice
 
 
 def checked_resume(resume: str) -> str:

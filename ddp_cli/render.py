@@ -171,6 +171,9 @@ def print_env(info: dict[str, Any]) -> None:
         "CUDA": f"{info['cuda'] or 'none (CPU build)'}; available: {_yes(info['cuda_available'])}",
         "cuDNN": info["cudnn"] or "none", "NCCL": info["nccl"] or "none",
         "GPUs": "\n".join(gpus) or "none",
+        **({"NVIDIA driver": f"{nvidia['driver']} (runs CUDA {nvidia['cuda']}), {nvidia['gpus']} GPU(s)"}
+           if (nvidia := info.get("nvidia")) else {}),
+        **({"GPU problem": info["gpu_problem"]} if info.get("gpu_problem") else {}),
         "CPU": f"{cpu['model']}, {cpu['count']} CPUs ({cpu['usable']} usable by this process)",
         "CPU bf16": bf16,
         "memory": f"{info['memory_gib']} GiB",

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddp_cli.distributed.gpus import gpu_problem, torch_sees_gpus
 from ddp_cli.errors import ConfigError
 
 
@@ -29,8 +30,10 @@ class DistContext:
 
 
 def cuda_devices() -> int:
-    """CUDA devices this process sees (0 without CUDA)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """CUDA devices this process sees (0 without CUDA), counted without initialising CUDA (torch counts
+    through NVML before its first CUDA call); torch's warning of a driver too old is left to
+    `gpus.gpu_problem`, which names the fix."""
+    return torch.cuda.device_count() if torch_sees_gpus() else 0
 
 
 def choose_backend(requested: str, gpus: int, local_world_size: int) -> str:
@@ -49,6 +52,15 @@ def choose_backend(requested: str, gpus: int, local_world_size: int) -> str:
         f"{gpus} for {local_world_size} workers; use {fewer}distributed.backend = \"gloo\" "
         "to train on CPU"
     )
+
+
+def check_gpus_usable(requested: str) -> None:
+    """Refuse a backend that may pick GPUs on a node whose GPUs torch cannot use: "auto" would
+    otherwise train on the CPU without a word (a driver older than torch's CUDA, a CPU wheel)."""
+    problem = gpu_problem() if requested != "gloo" else None
+    if problem:
+        raise ConfigError(f"distributed.backend = {requested!r}: {problem}; or set distributed.backend = "
+                          '"gloo" to train on the CPU regardless')
 
 
 def choose_device(backend: str, local_rank: int) -> torch.device:

@@ -9,7 +9,6 @@ Each worker's output also goes to JOB_DIR/logs (`run.logs`).
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
@@ -28,7 +27,9 @@ from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.setup import cuda_devices
 from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
 from ddp_cli.run.jobs import clear_errors, first_error
+from ddp_cli.run.logenv import quiet_torch_logs
 from ddp_cli.run.logs import RankLogs
+from ddp_cli.run.network import gloo_environment
 from ddp_cli.run.worker import LAUNCHED, forked
 
 SLURM_RDZV_PORT = 29400
@@ -156,17 +157,6 @@ def run_id(opts: LaunchOptions) -> str:
     return f"ddp-{opts.rdzv_endpoint}" if opts.rdzv_endpoint else uuid.uuid4().hex
 
 
-def quiet_torch_logs() -> None:
-    """torch.distributed's own log lines (the agent's "failed (exitcode...)") only with --verbose.
-
-    We report failures ourselves, once; $LOGLEVEL (set by the CLI) decides.
-    """
-    level = os.environ.get("LOGLEVEL", "CRITICAL")
-    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
-        logging.getLogger(name).setLevel(level)
-    logging.getLogger("torch.distributed").setLevel(level)
-
-
 WORKER_START = "DDP_WORKER_START"
 
 
@@ -221,6 +211,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
     quiet_torch_logs()
     clear_errors(job_dir)
     os.environ[LAUNCHED] = "1"  # workers leave the printing of errors to us
+    os.environ.update(gloo_environment(opts.nnodes, opts.rdzv_endpoint, os.environ))  # the workers inherit it
     try:
         if config.start_method == "fork":
             elastic_launch(config, forked)(str(job_dir))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ddp_cli.distributed.gpus import cuda_bf16_native
 from ddp_cli.errors import ConfigError
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -19,14 +20,27 @@ CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Whether `device` computes bf16 in hardware (CUDA: capability 8.0+; CPU: AVX-512 BF16 / AMX)."""
+    """Whether `device` computes bf16 in hardware (CUDA: capability 8.0+; CPU: AVX-512 BF16 / AMX).
+
+    torch's own check initialises CUDA (`current_device`): a worker has anyway, the launcher must
+    not (`gpus`), so there the capability comes from the driver (NVML)."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
+        if torch.cuda.is_initialized():
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        return cuda_bf16_native()
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: do not guess
         return False
     return any(flag in flags for flag in CPU_BF16_FLAGS)
+
+
+def runs_natively(precision: str, device: torch.device) -> bool:
+    """Whether `device` computes `precision` at full speed: fp32 anywhere, fp16 on CUDA, bf16 where
+    `native_bf16`."""
+    if precision == "bf16":
+        return native_bf16(device)
+    return precision == "fp32" or (precision == "fp16" and device.type == "cuda")
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:

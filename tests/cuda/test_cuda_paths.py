@@ -1,6 +1,8 @@
 """GPU paths no CPU box can run: NCCL, bf16/fp16 autocast with the GradScaler, pinned loaders.
 
-Marked `cuda` and skipped where torch sees no GPU. On a GPU machine: `make test-cuda`
+Marked `cuda` and skipped where the machine has no GPU; where the driver (NVML) shows GPUs that
+torch cannot use (a driver older than torch's CUDA, a CPU wheel), every test fails naming why: a GPU
+machine that silently skipped its GPU tests would pass. On a GPU machine: `make test-cuda`
 (= pytest -m cuda tests/cuda). Each demo run uses one GPU (nproc_per_node = 1).
 """
 
@@ -14,13 +16,21 @@ import pytest
 import torch
 from conftest import REPO, last_json, run_ddp
 
+from ddp_cli.distributed.gpus import gpu_problem
+
+UNUSABLE = gpu_problem()  # None where torch uses the GPUs, or there are none
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.slow,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA GPU (torch.cuda.is_available() is false); run `make test-cuda` "
-                       "on a GPU machine"),
+    pytest.mark.skipif(not torch.cuda.is_available() and not UNUSABLE,
+                       reason="needs a CUDA GPU (none here); run `make test-cuda` on a GPU machine"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def torch_uses_the_gpus() -> None:
+    if UNUSABLE:
+        pytest.fail(UNUSABLE)
 
 ONE_GPU = ('distributed.backend="nccl"', "distributed.nproc_per_node=1")
 

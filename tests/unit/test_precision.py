@@ -34,7 +34,9 @@ def test_explicit_settings_are_kept_and_fp16_needs_cuda():
 
 
 def test_auto_on_cuda_asks_for_native_bf16_not_emulation(monkeypatch):
+    """In a worker, which has initialised CUDA (the launcher asks the driver: test_gpus.py)."""
     asked = {}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported",
                         lambda including_emulation=True: asked.setdefault("emulation", including_emulation))
     assert precision.resolve_precision("auto", torch.device("cuda", 0)) == "fp32"
