@@ -26,6 +26,19 @@ def translated(cause: BaseException, number: int) -> OSError:
         return e
 
 
+def chained(inner: BaseException, outer: BaseException) -> BaseException:
+    """`outer` raised while handling `inner`, without `from`: only `__context__` links them (how s3fs
+    re-raises some throttling errors)."""
+    try:
+        try:
+            raise inner
+        except type(inner):
+            raise outer  # noqa: B904
+    except type(outer) as e:
+        assert e.__cause__ is None and e.__context__ is inner
+        return e
+
+
 def reset_by_peer() -> EndpointConnectionError:
     """aiobotocore's EndpointConnectionError, caused by aiohttp's ClientOSError, caused by the reset."""
     try:
@@ -40,6 +53,10 @@ def reset_by_peer() -> EndpointConnectionError:
 @pytest.mark.parametrize(("error", "expected"), [
     (client_error("SlowDown", 503), True),
     (client_error("InternalError", 500), True),
+    (client_error("TooManyRequests", 429), True),  # throttled: no code of ours, only the status says so
+    (client_error("GatewayTimeout", 599), True),  # any 5xx, whatever its code
+    (client_error("Unnamed", 500), True),  # the first 5xx
+    (client_error("Unnamed", 499), False),  # the last 4xx
     (client_error("NoSuchKey", 404), False),
     (client_error("AccessDenied", 403), False),
     (translated(client_error("SlowDown", 503), errno.EBUSY), True),
@@ -48,6 +65,9 @@ def reset_by_peer() -> EndpointConnectionError:
     (ServerDisconnectedError(), True),
     (ConnectionResetError(), True),
     (OSError(errno.EBUSY, "busy"), True),
+    (chained(client_error("SlowDown", 503), OSError(errno.EIO, "read failed")), True),  # context only
+    (chained(ConnectionResetError(), RuntimeError("wrapped")), True),
+    (chained(client_error("NoSuchKey", 404), OSError(errno.EIO, "read failed")), False),
     (FileNotFoundError("nope"), False),
     (PermissionError("refused"), False),
 ])
