@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import errno
+import http.client
+import multiprocessing
 
 import pytest
 from aiohttp import ClientOSError, ServerDisconnectedError
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
+from ddp_cli.config import DataConfig
 from ddp_cli.data.fetch import retry
 from ddp_cli.data.fetch.retry import IoPolicy, transient, with_retries
 from ddp_cli.errors import DataError
@@ -120,3 +123,51 @@ def test_other_errors_are_not_retried():
     with pytest.raises(FileNotFoundError):
         with_retries(call, "s3://b/k")
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("code", ["Throttling", "ThrottlingException", "RequestLimitExceeded",
+                                  "RequestTimeout"])
+def test_throttling_and_timeout_codes_are_transient_whatever_the_status(code):
+    """AWS answers these with a 400: only the error code says that waiting helps."""
+    assert transient(client_error(code, 400))
+    assert not transient(client_error("InvalidRequest", 400))
+
+
+def botocore_and_aiohttp_failures() -> list[BaseException]:
+    """The transport failures the clients raise that are not OSErrors: only their class names tell."""
+    from aiohttp import ClientConnectionError, ClientPayloadError
+    from botocore.exceptions import ConnectionClosedError, IncompleteReadError, ResponseStreamingError
+    from urllib3.exceptions import ProtocolError
+
+    return [ConnectionClosedError(endpoint_url="http://x/b/k"), ResponseStreamingError(error="reset"),
+            IncompleteReadError(actual_bytes=10, expected_bytes=20), ClientConnectionError(),
+            ClientPayloadError("cut short"), ProtocolError("Connection aborted."),
+            http.client.IncompleteRead(b"part", 10)]
+
+
+@pytest.mark.parametrize("error", botocore_and_aiohttp_failures(), ids=lambda e: type(e).__name__)
+def test_transport_failures_that_are_no_oserror_are_transient(error):
+    assert not isinstance(error, OSError)
+    assert transient(error)
+
+
+def test_a_cycle_of_causes_ends_the_search():
+    first, second = ValueError("a"), KeyError("b")
+    first.__context__, second.__context__ = second, first
+    assert transient(first) is False
+
+
+def test_the_policy_is_read_from_the_data_section():
+    data = DataConfig(io_retries=3, io_retry_wait_s=0.7, io_concurrency=5)
+    assert IoPolicy.of(data) == IoPolicy(retries=3, wait_s=0.7, concurrency=5)
+
+
+def test_the_counter_starts_at_zero_and_sees_the_retries_of_forked_loader_processes(monkeypatch):
+    monkeypatch.setattr(retry, "_count", None)  # a fresh process
+    assert retry.retries_so_far() == 0
+    retry.count_retries()
+    assert retry.retries_so_far() == 0
+    loader = multiprocessing.get_context("fork").Process(target=lambda: [retry._counted() for _ in range(3)])
+    loader.start()
+    loader.join(30)
+    assert loader.exitcode == 0 and retry.retries_so_far() == 3
