@@ -171,3 +171,10 @@ def test_the_counter_starts_at_zero_and_sees_the_retries_of_forked_loader_proces
     loader.start()
     loader.join(30)
     assert loader.exitcode == 0 and retry.retries_so_far() == 3
+
+
+def test_an_error_without_a_message_says_so_in_the_one_line(monkeypatch):
+    monkeypatch.setattr(retry.time, "sleep", lambda s: None)
+    call, _ = failing(99, ConnectionResetError())
+    with pytest.raises(DataError, match=r"2 times in a row \(ConnectionResetError: no message\); check"):
+        with_retries(call, "s3://b/k", IoPolicy(retries=1))
