@@ -178,3 +178,9 @@ def test_an_error_without_a_message_says_so_in_the_one_line(monkeypatch):
     call, _ = failing(99, ConnectionResetError())
     with pytest.raises(DataError, match=r"2 times in a row \(ConnectionResetError: no message\); check"):
         with_retries(call, "s3://b/k", IoPolicy(retries=1))
+
+
+def test_an_answer_with_only_a_code_or_only_a_status_is_judged_on_what_it_has():
+    assert transient(ClientError({"Error": {"Code": "SlowDown"}}, "GetObject"))  # no status
+    assert transient(ClientError({"ResponseMetadata": {"HTTPStatusCode": 503}}, "GetObject"))  # no code
+    assert not transient(ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject"))
