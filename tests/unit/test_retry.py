@@ -133,21 +133,30 @@ def test_throttling_and_timeout_codes_are_transient_whatever_the_status(code):
     assert not transient(client_error("InvalidRequest", 400))
 
 
-def botocore_and_aiohttp_failures() -> list[BaseException]:
-    """The transport failures the clients raise that are not OSErrors: only their class names tell."""
-    from aiohttp import ClientConnectionError, ClientPayloadError
-    from botocore.exceptions import ConnectionClosedError, IncompleteReadError, ResponseStreamingError
+def failures_known_by_name() -> list[BaseException]:
+    """The transport failures the clients raise that no errno or builtin class marks as transient: only
+    their class names tell (alone, without the cause a real one may carry)."""
+    from aiohttp import ClientConnectionError, ClientOSError, ClientPayloadError
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        IncompleteReadError,
+        ResponseStreamingError,
+    )
     from urllib3.exceptions import ProtocolError
 
     return [ConnectionClosedError(endpoint_url="http://x/b/k"), ResponseStreamingError(error="reset"),
-            IncompleteReadError(actual_bytes=10, expected_bytes=20), ClientConnectionError(),
+            IncompleteReadError(actual_bytes=1, expected_bytes=2), EndpointConnectionError(endpoint_url=""),
+            ConnectTimeoutError(endpoint_url="http://x"), ClientConnectionError(), ClientOSError(),
             ClientPayloadError("cut short"), ProtocolError("Connection aborted."),
             http.client.IncompleteRead(b"part", 10)]
 
 
-@pytest.mark.parametrize("error", botocore_and_aiohttp_failures(), ids=lambda e: type(e).__name__)
-def test_transport_failures_that_are_no_oserror_are_transient(error):
-    assert not isinstance(error, OSError)
+@pytest.mark.parametrize("error", failures_known_by_name(), ids=lambda e: type(e).__name__)
+def test_transport_failures_known_only_by_their_class_name_are_transient(error):
+    assert not isinstance(error, ConnectionError | TimeoutError) and getattr(error, "errno", None) is None
+    assert error.__cause__ is None and error.__context__ is None
     assert transient(error)
 
 
