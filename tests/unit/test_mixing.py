@@ -148,3 +148,8 @@ def test_the_trainers_loss_smooths_labels_and_mixed_targets_alike(smoothing, aug
     assert torch.allclose(mixed, 0.3 * one_hot + 0.7 * one_hot[partners(6, torch.device("cpu"))])
     expected = smoothed_cross_entropy(logits, mixed, smoothing).item()
     assert loss_fn(logits, mixed).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_targets_have_a_column_per_class_when_the_batch_lacks_the_last_classes():
+    targets = Mix(0.3).targets(torch.tensor([0, 1, 1, 0]), 5)
+    assert targets.shape == (4, 5) and not targets[:, 2:].any()

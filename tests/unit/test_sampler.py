@@ -241,3 +241,8 @@ def test_ranks_on_shards_see_the_batches_one_process_with_the_global_batch_sees(
         sampler.set_epoch(2, skip=12)  # one global batch done before a stop
     resumed = [list(s) for s in ranks]
     assert [d[4:] for d in dealt] == resumed
+
+
+def test_a_split_without_shards_is_an_empty_order_of_indices():
+    order = shard_order(np.array([0]), seed=0, epoch=0, window=3)
+    assert order.dtype == torch.int64 and order.shape == (0,)
