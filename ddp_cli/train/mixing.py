@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torchvision.transforms import v2
 
-from ddp_cli.config import AugmentConfig
+from ddp_cli.config import AugmentConfig, RunConfig
 from ddp_cli.data.pipeline.seeds import MIXING, derived_seed
 
 
@@ -65,6 +66,12 @@ class Mix:
         """(N, classes) mixing weights of the labels, each row summing to 1."""
         own = F.one_hot(labels, classes).float()
         return own.mul(self.lam).add_(own[partners(len(own), own.device)], alpha=1 - self.lam)
+
+
+def loss_function(cfg: RunConfig) -> nn.CrossEntropyLoss:
+    """The training loss, for labels and for mixed targets alike: `optim.label_smoothing` applies to both
+    (smoothing a mix is mixing the smoothed one-hots, see above)."""
+    return nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
 
 
 class BatchMixing:

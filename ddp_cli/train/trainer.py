@@ -38,7 +38,7 @@ from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.inference import evaluate, raise_bad_images
 from ddp_cli.train.metrics import EvalTotals
-from ddp_cli.train.mixing import BatchMixing
+from ddp_cli.train.mixing import BatchMixing, loss_function
 from ddp_cli.train.optim import build_optimizer
 from ddp_cli.train.precision import autocast, resolve_precision
 from ddp_cli.train.schedules import build_scheduler, resume_schedule
@@ -91,7 +91,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps_per_epoch,
                                          steps_per_epoch * cfg.train.epochs)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.precision == "fp16")
-        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)  # labels or mixes
+        self.loss_fn = loss_function(cfg)  # labels or mixes
         self.mixing = BatchMixing(cfg.augment, cfg.seed) if cfg.augment.mixing() else None
         self.state = RunState(global_batch=self.global_batch, world_sizes=[ctx.world_size])
         self.running = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # the epoch's loss sum, steps

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from ddp_cli.errors import DataError
 from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint, verify
 
 TOP1 = [0.5, 0.9, 0.7, 0.6, 0.8, 0.85]  # best at step 2, never beaten; last at step 6
@@ -52,3 +53,38 @@ def test_best_moves_only_when_a_save_is_marked_best(tmp_path):
     assert step_of(tmp_path / "best.pt") == 3
     assert step_of(tmp_path / "last.pt") == 5
     assert [p.name for p in store.steps()] == ["step-000000004.pt", "step-000000005.pt"]
+
+
+def flip_a_byte(path) -> None:
+    """Alter the file in place, its size unchanged: what only the sha256 comparison can see."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_altered_in_place_is_refused_by_its_sha256(tmp_path):
+    store = CheckpointStore(tmp_path, 1)
+    path = store.save({"model": {"w": torch.zeros(4096)}}, {"epoch": 1, "step": 1}, best=False)
+    size = path.stat().st_size
+    flip_a_byte(path)
+    assert path.stat().st_size == size == json.loads((tmp_path / f"{path.name}.json").read_text())["bytes"]
+    assert verify(path) == "sha256 differs from its manifest (corrupt)"
+    with pytest.raises(DataError, match=r"sha256 differs from its manifest .*--resume auto picks a valid"):
+        load_checkpoint(path)
+
+
+def test_latest_valid_skips_torn_altered_and_unmanifested_checkpoints_newest_first(tmp_path, caplog):
+    """Each damage in turn hits the newest checkpoint left; the store falls back one step each time
+    (last.pt is a hard link to the newest step file, so it is damaged with it)."""
+    store = CheckpointStore(tmp_path, 4)
+    save_all(store, [0.1, 0.2, 0.3, 0.4])
+    newest = store.path_for(4)
+    newest.write_bytes(newest.read_bytes()[:-100])  # torn: a write cut short
+    assert step_of(store.latest_valid()) == 3
+    assert f"skipping checkpoint {newest}: size differs" in caplog.text
+    flip_a_byte(store.path_for(3))
+    assert step_of(store.latest_valid()) == 2
+    (tmp_path / "step-000000002.pt.json").unlink()  # killed between the file and its manifest
+    assert store.latest_valid() == store.path_for(1)
+    flip_a_byte(store.path_for(1))
+    assert store.latest_valid() is None

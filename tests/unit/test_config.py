@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
+import typing
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ddp_cli.config import RunConfig, apply_override, config_from_dict, load_config
 from ddp_cli.errors import ConfigError
@@ -189,3 +191,34 @@ def test_global_batch_and_the_lr_rule(raw, world, batch, lr):
     cfg = config_from_dict(raw)
     assert cfg.global_batch(world) == batch
     assert cfg.lr(world) == pytest.approx(lr)
+
+
+REQUIRED = {"logging.wandb": {"project": "p"}}  # sections whose presence needs a key of their own
+
+
+def sections(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every section's dotted path, nested ones included, walked from the models themselves."""
+    found = []
+    for name, field in model.model_fields.items():
+        for candidate in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                found += [f"{prefix}{name}", *sections(candidate, f"{prefix}{name}.")]
+    return found
+
+
+def test_the_walk_finds_every_section():
+    assert {"data", "optim", "logging", "logging.wandb"} <= set(sections())
+    assert len(sections()) == len(set(sections())) >= 10
+
+
+@pytest.mark.parametrize("section", ["", *sections()])
+def test_every_section_refuses_an_unknown_key_naming_it(section):
+    raw: dict = {}
+    node, path = raw, []
+    for part in section.split(".") if section else []:
+        path.append(part)
+        node = node.setdefault(part, dict(REQUIRED.get(".".join(path), {})))
+    node["bogus_key"] = 1
+    key = f"{section}.bogus_key" if section else "bogus_key"
+    with pytest.raises(ConfigError, match=rf"^config: {re.escape(key)}: unknown key"):
+        config_from_dict(raw)

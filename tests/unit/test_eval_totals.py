@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
+from ddp_cli.train import metrics
 from ddp_cli.train.metrics import EvalTotals
 
 CPU = torch.device("cpu")
@@ -26,10 +30,15 @@ def reference(logits: np.ndarray, target: np.ndarray) -> dict[str, np.ndarray]:
     return {"above": above, "ties": ties, "nll": -log_softmax[np.arange(len(target)), target]}
 
 
+def add(t: EvalTotals, batch, positions: list[int] | None = None) -> None:
+    logits, target, keep = batch
+    t.add(torch.from_numpy(logits), torch.from_numpy(target), torch.from_numpy(keep), positions)
+
+
 def totals(batches) -> dict[str, float]:
     t = EvalTotals(CPU)
-    for logits, target, keep in batches:
-        t.add(torch.from_numpy(logits), torch.from_numpy(target), torch.from_numpy(keep))
+    for batch in batches:
+        add(t, batch)
     return t.reduce()
 
 
@@ -162,3 +171,99 @@ def test_kept_predictions_are_the_top_k_probabilities_of_counted_images_by_posit
     assert [row[:3] for row in t.kept] == [(10, 1, [1, 2]), (12, 1, [2, 0])]  # position 11 was a stand-in
     probs = logits[0].softmax(0)
     assert t.kept[0][3] == pytest.approx([probs[1].item(), probs[2].item()])
+
+
+class ThreadedWorld:
+    """`world_size` ranks as threads of this process, with the collectives `EvalTotals.reduce` makes (in
+    place of torch.distributed): every call meets the other ranks' at a barrier and computes what gloo
+    computes, SUM or MAX, so a reduction with the wrong op gives the wrong numbers."""
+
+    ReduceOp = dist.ReduceOp
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.barrier = world_size, threading.Barrier(world_size, timeout=30)
+        self.slots: list = [None] * world_size
+        self.local = threading.local()
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_rank(self) -> int:
+        return self.local.rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def exchange(self, value) -> list:
+        """Every rank's `value`, in rank order."""
+        self.slots[self.get_rank()] = value
+        self.barrier.wait()
+        everyone = list(self.slots)
+        self.barrier.wait()  # all have read before the next call writes
+        return everyone
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        stacked = torch.stack(self.exchange(tensor.clone()))
+        if op == dist.ReduceOp.SUM:
+            tensor.copy_(stacked.sum(0))
+        elif op == dist.ReduceOp.MAX:
+            tensor.copy_(stacked.max(0).values)
+        else:
+            raise NotImplementedError(op)
+
+    def gather_object(self, obj, object_gather_list=None, dst: int = 0) -> None:
+        everyone = self.exchange(obj)
+        if self.get_rank() == dst:
+            object_gather_list[:] = everyone
+
+    def run(self, fn) -> list:
+        """`fn(rank)` on every rank at once; the results in rank order, a rank's error raised here."""
+        results, errors = [None] * self.world_size, []
+
+        def rank_main(rank: int) -> None:
+            self.local.rank = rank
+            try:
+                results[rank] = fn(rank)
+            except BaseException as e:
+                errors.append(e)
+                self.barrier.abort()  # the other ranks stop waiting for this one
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+@pytest.mark.parametrize("images_on_rank_1", [21, 0], ids=["both-ranks-see-images", "rank-1-sees-none"])
+def test_two_ranks_reduce_to_the_totals_and_confusion_matrix_of_one_process(monkeypatch, images_on_rank_1):
+    """Both ranks know the class count when both saw images: its reduction must agree on it (MAX), not
+    add the ranks' counts (SUM), or the confusion matrix is thrown away; a rank that saw nothing learns
+    it from the other. Loss, top-k and kept predictions add up to what one process gets."""
+    rng = np.random.default_rng(11)
+    classes = 6
+    batches = random_batches(rng, classes, [30, images_on_rank_1] if images_on_rank_1 else [30])
+    positions = [list(range(30)), list(range(30, 30 + images_on_rank_1))]
+    single = EvalTotals(CPU, keep_topk=2)
+    for batch, where in zip(batches, positions, strict=False):
+        add(single, batch, where)
+    expected = single.reduce()
+    world = ThreadedWorld(2)
+    monkeypatch.setattr(metrics, "dist", world)
+
+    def rank(r: int) -> EvalTotals:
+        totals = EvalTotals(CPU, keep_topk=2)
+        if r < len(batches):
+            add(totals, batches[r], positions[r])
+        totals.reduce()
+        return totals
+
+    ranks = world.run(rank)
+    for totals in ranks:
+        assert totals.metrics == pytest.approx(expected)
+        assert torch.equal(totals.confusion, single.confusion)
+        assert totals.confusion.shape == (classes, classes) and totals.confusion.sum() == expected["images"]
+    assert ranks[0].kept == sorted(single.kept) and ranks[1].kept == []  # gathered on rank 0 only

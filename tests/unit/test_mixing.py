@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from ddp_cli.config import AugmentConfig
-from ddp_cli.train.mixing import BatchMixing, Mix, partners
+from ddp_cli.config import AugmentConfig, config_from_dict
+from ddp_cli.train.mixing import BatchMixing, Mix, loss_function, partners
 
 SHAPE = (1, 3, 32, 32)  # the images' size is all a draw reads of them
 BOTH = AugmentConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
@@ -123,15 +122,34 @@ def test_ranks_mixing_their_blocks_equal_one_process_mixing_the_global_batch():
         assert torch.equal(torch.cat([targets for _, targets in ranks]), single[1])
 
 
+def smoothed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """Cross-entropy against (1 - e) t + e/K, written out (timm's mixup_target and SoftTargetCrossEntropy)."""
+    smooth = targets * (1 - smoothing) + smoothing / targets.shape[1]
+    return -(smooth * logits.log_softmax(1)).sum(1).mean()
+
+
+@pytest.mark.parametrize("augment", [{}, {"mixup_alpha": 0.8}, {"cutmix_alpha": 1.0},
+                                     {"mixup_alpha": 0.8, "cutmix_alpha": 1.0}],
+                         ids=["no-mixing", "mixup", "cutmix", "both"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_soft_targets_through_the_trainers_loss(smoothing):
-    """nn.CrossEntropyLoss on one-hot targets is the loss on labels; on mixed targets with smoothing it is
-    the cross-entropy against mixed smoothed one-hots (timm's mixup_target)."""
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=smoothing)
-    logits, labels = torch.randn(6, 5), torch.tensor([0, 4, 2, 2, 1, 3])
+def test_the_trainers_loss_smooths_labels_and_mixed_targets_alike(smoothing, augment):
+    """The loss the Trainer builds (`loss_function`) keeps `optim.label_smoothing` whether or not MixUp or
+    CutMix is on: on labels and one-hots it is the smoothed cross-entropy, and on mixed targets the
+    cross-entropy against the mix of the smoothed one-hots."""
+    cfg = config_from_dict({"optim": {"label_smoothing": smoothing}, "augment": augment})
+    loss_fn = loss_function(cfg)
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 4, 2, 2, 1, 3])
     one_hot = Mix(1.0).targets(labels, 5)
-    assert loss_fn(logits, one_hot).item() == pytest.approx(loss_fn(logits, labels).item())
-    smooth = torch.nn.functional.one_hot(labels, 5).float() * (1 - smoothing) + smoothing / 5
-    mixed = 0.3 * smooth + 0.7 * smooth[partners(6, torch.device("cpu"))]
-    expected = -(mixed * logits.log_softmax(1)).sum(1).mean()
-    assert loss_fn(logits, Mix(0.3).targets(labels, 5)).item() == pytest.approx(expected.item(), rel=1e-6)
+    expected = smoothed_cross_entropy(logits, one_hot, smoothing).item()
+    assert loss_fn(logits, labels).item() == pytest.approx(expected, rel=1e-6)
+    assert loss_fn(logits, one_hot).item() == pytest.approx(expected, rel=1e-6)
+    mixed = Mix(0.3).targets(labels, 5)
+    assert torch.allclose(mixed, 0.3 * one_hot + 0.7 * one_hot[partners(6, torch.device("cpu"))])
+    expected = smoothed_cross_entropy(logits, mixed, smoothing).item()
+    assert loss_fn(logits, mixed).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_targets_have_a_column_per_class_when_the_batch_lacks_the_last_classes():
+    targets = Mix(0.3).targets(torch.tensor([0, 1, 1, 0]), 5)
+    assert targets.shape == (4, 5) and not targets[:, 2:].any()

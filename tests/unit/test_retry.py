@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import errno
+import http.client
+import multiprocessing
 
 import pytest
 from aiohttp import ClientOSError, ServerDisconnectedError
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
+from ddp_cli.config import DataConfig
 from ddp_cli.data.fetch import retry
 from ddp_cli.data.fetch.retry import IoPolicy, transient, with_retries
 from ddp_cli.errors import DataError
@@ -26,6 +29,19 @@ def translated(cause: BaseException, number: int) -> OSError:
         return e
 
 
+def chained(inner: BaseException, outer: BaseException) -> BaseException:
+    """`outer` raised while handling `inner`, without `from`: only `__context__` links them (how s3fs
+    re-raises some throttling errors)."""
+    try:
+        try:
+            raise inner
+        except type(inner):
+            raise outer  # noqa: B904
+    except type(outer) as e:
+        assert e.__cause__ is None and e.__context__ is inner
+        return e
+
+
 def reset_by_peer() -> EndpointConnectionError:
     """aiobotocore's EndpointConnectionError, caused by aiohttp's ClientOSError, caused by the reset."""
     try:
@@ -40,6 +56,10 @@ def reset_by_peer() -> EndpointConnectionError:
 @pytest.mark.parametrize(("error", "expected"), [
     (client_error("SlowDown", 503), True),
     (client_error("InternalError", 500), True),
+    (client_error("TooManyRequests", 429), True),  # throttled: no code of ours, only the status says so
+    (client_error("GatewayTimeout", 599), True),  # any 5xx, whatever its code
+    (client_error("Unnamed", 500), True),  # the first 5xx
+    (client_error("Unnamed", 499), False),  # the last 4xx
     (client_error("NoSuchKey", 404), False),
     (client_error("AccessDenied", 403), False),
     (translated(client_error("SlowDown", 503), errno.EBUSY), True),
@@ -48,6 +68,9 @@ def reset_by_peer() -> EndpointConnectionError:
     (ServerDisconnectedError(), True),
     (ConnectionResetError(), True),
     (OSError(errno.EBUSY, "busy"), True),
+    (chained(client_error("SlowDown", 503), OSError(errno.EIO, "read failed")), True),  # context only
+    (chained(ConnectionResetError(), RuntimeError("wrapped")), True),
+    (chained(client_error("NoSuchKey", 404), OSError(errno.EIO, "read failed")), False),
     (FileNotFoundError("nope"), False),
     (PermissionError("refused"), False),
 ])
@@ -100,3 +123,73 @@ def test_other_errors_are_not_retried():
     with pytest.raises(FileNotFoundError):
         with_retries(call, "s3://b/k")
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("code", ["Throttling", "ThrottlingException", "RequestLimitExceeded",
+                                  "RequestTimeout"])
+def test_throttling_and_timeout_codes_are_transient_whatever_the_status(code):
+    """AWS answers these with a 400: only the error code says that waiting helps."""
+    assert transient(client_error(code, 400))
+    assert not transient(client_error("InvalidRequest", 400))
+
+
+def failures_known_by_name() -> list[BaseException]:
+    """The transport failures the clients raise that no errno or builtin class marks as transient: only
+    their class names tell (alone, without the cause a real one may carry)."""
+    from aiohttp import ClientConnectionError, ClientOSError, ClientPayloadError
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        IncompleteReadError,
+        ResponseStreamingError,
+    )
+    from urllib3.exceptions import ProtocolError
+
+    return [ConnectionClosedError(endpoint_url="http://x/b/k"), ResponseStreamingError(error="reset"),
+            IncompleteReadError(actual_bytes=1, expected_bytes=2), EndpointConnectionError(endpoint_url=""),
+            ConnectTimeoutError(endpoint_url="http://x"), ClientConnectionError(), ClientOSError(),
+            ClientPayloadError("cut short"), ProtocolError("Connection aborted."),
+            http.client.IncompleteRead(b"part", 10)]
+
+
+@pytest.mark.parametrize("error", failures_known_by_name(), ids=lambda e: type(e).__name__)
+def test_transport_failures_known_only_by_their_class_name_are_transient(error):
+    assert not isinstance(error, ConnectionError | TimeoutError) and getattr(error, "errno", None) is None
+    assert error.__cause__ is None and error.__context__ is None
+    assert transient(error)
+
+
+def test_a_cycle_of_causes_ends_the_search():
+    first, second = ValueError("a"), KeyError("b")
+    first.__context__, second.__context__ = second, first
+    assert transient(first) is False
+
+
+def test_the_policy_is_read_from_the_data_section():
+    data = DataConfig(io_retries=3, io_retry_wait_s=0.7, io_concurrency=5)
+    assert IoPolicy.of(data) == IoPolicy(retries=3, wait_s=0.7, concurrency=5)
+
+
+def test_the_counter_starts_at_zero_and_sees_the_retries_of_forked_loader_processes(monkeypatch):
+    monkeypatch.setattr(retry, "_count", None)  # a fresh process
+    assert retry.retries_so_far() == 0
+    retry.count_retries()
+    assert retry.retries_so_far() == 0
+    loader = multiprocessing.get_context("fork").Process(target=lambda: [retry._counted() for _ in range(3)])
+    loader.start()
+    loader.join(30)
+    assert loader.exitcode == 0 and retry.retries_so_far() == 3
+
+
+def test_an_error_without_a_message_says_so_in_the_one_line(monkeypatch):
+    monkeypatch.setattr(retry.time, "sleep", lambda s: None)
+    call, _ = failing(99, ConnectionResetError())
+    with pytest.raises(DataError, match=r"2 times in a row \(ConnectionResetError: no message\); check"):
+        with_retries(call, "s3://b/k", IoPolicy(retries=1))
+
+
+def test_an_answer_with_only_a_code_or_only_a_status_is_judged_on_what_it_has():
+    assert transient(ClientError({"Error": {"Code": "SlowDown"}}, "GetObject"))  # no status
+    assert transient(ClientError({"ResponseMetadata": {"HTTPStatusCode": 503}}, "GetObject"))  # no code
+    assert not transient(ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject"))

@@ -110,6 +110,10 @@ def test_a_mid_epoch_skip_continues_the_permutation_at_another_world_size(before
     flat = [i for part in shards(n, after, True, epoch=3, seed=7, batch=batch, skip=consumed) for i in part]
     assert not seen & set(flat)  # nothing seen before comes again
     assert len(flat) == len(set(flat)) == (n - consumed) // (after * batch) * after * batch  # nothing lost
+    (whole,) = shards(n, 1, True, epoch=3, seed=7)  # the epoch's order, position by position
+    resumed = [i for step in steps_of(shards(n, after, True, epoch=3, seed=7, batch=batch, skip=consumed),
+                                      batch) for i in step]
+    assert resumed == whole[consumed:consumed + len(resumed)]  # the very next positions, none skipped
 
 
 # Repeated augmentation: (n, world, batch, repeats); chunk 12 = 4 copies x 3, chunk 15 = 2 x 7 + 1.
@@ -237,3 +241,8 @@ def test_ranks_on_shards_see_the_batches_one_process_with_the_global_batch_sees(
         sampler.set_epoch(2, skip=12)  # one global batch done before a stop
     resumed = [list(s) for s in ranks]
     assert [d[4:] for d in dealt] == resumed
+
+
+def test_a_split_without_shards_is_an_empty_order_of_indices():
+    order = shard_order(np.array([0]), seed=0, epoch=0, window=3)
+    assert order.dtype == torch.int64 and order.shape == (0,)
