@@ -22,7 +22,7 @@ from ddp_cli.preflight import validation_workers
 from ddp_cli.run.launch import LaunchOptions
 from ddp_cli.train import precision
 from ddp_cli.train.checkpoint import save_checkpoint
-from ddp_cli.train.trained import Trained, load_trained
+from ddp_cli.train.checkpoint_model import Trained, load_trained
 
 
 def gpu_checkpoint(path: Path, trained_in: str = "fp16") -> Trained:
@@ -32,7 +32,7 @@ def gpu_checkpoint(path: Path, trained_in: str = "fp16") -> Trained:
                                     "distributed": {"backend": "nccl", "nproc_per_node": 8}})
     save_checkpoint({"model": TinyResNet(3).state_dict(), "final": {"top1": 0.5},
                      "config": cfg.model_dump(mode="json"), "classes": ["a", "b", "c"],
-                     "dataset": {"name": "d"}}, path)
+                     "descriptions": ["a", "b", "c"], "dataset": {"name": "d"}}, path)
     return load_trained(path)
 
 
