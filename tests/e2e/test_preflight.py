@@ -175,15 +175,15 @@ SMALL = {"name": "v", "data": {"dataset": "demo", "image_size": 32, "val_resize"
          "model": {"name": "resnet_tiny"}, "train": {"precision": "fp32"}}
 
 
+# A config's precision and backend are not among them: inference chooses those for the machine it runs
+# on (tests/unit/test_inference_machine.py, tests/e2e/test_gpu_checkpoint_on_cpu.py).
 @pytest.mark.parametrize(("section", "key", "value", "gpus", "message"), [
-    ("train", "precision", "fp16", 0, "train.precision: fp16 needs CUDA"),
-    ("distributed", "backend", "nccl", 0, "distributed.backend = 'nccl': nccl needs one CUDA device"),
     ("distributed", "backend", "auto", 1, "this node has 1 for 2 workers; use --nproc-per-node 1"),
     ("model", "name", "resnet_huge", 0, "model.name: unknown model 'resnet_huge'"),
 ])
 def test_validate_meets_the_rules_that_apply(section, key, value, gpus, message, checkpoint, registry,
                                              tripwire, monkeypatch, capsys, tmp_path):
-    """Workers, backend, precision and model: validate refuses them as train does, before any worker."""
+    """Workers and model: validate refuses them as train does, before any worker."""
     pretend_gpus(monkeypatch, gpus)
     config = tmp_path / "run.toml"
     config.write_text(tomli_w.dumps({**SMALL, section: {**SMALL.get(section, {}), key: value}}))
