@@ -271,8 +271,12 @@ class TrainConfig(Section):
     max_steps_per_epoch: int = Field(0, ge=0, description="Cap on steps per epoch (0 = whole epoch).")
     compile: bool = Field(False, description="torch.compile the training forward/backward (slow start).")
     ema_decay: float = Field(
-        0.0, ge=0, lt=1, description="EMA of the weights, updated every step (0 = off; e.g. 0.9998); "
-        "validated each epoch as final_ema.",
+        0.0, ge=0, lt=1, description="EMA of the weights, updated every ema_every_steps steps (0 = off; "
+        "e.g. 0.9998); validated each epoch as final_ema.",
+    )
+    ema_every_steps: int = Field(
+        1, ge=1, description="Update the EMA every N steps, with decay ema_decay ** N (the same "
+        "averaging horizon in steps, 1/N of the cost; torchvision's recipes use 32).",
     )
 
 
@@ -327,6 +331,11 @@ class DistributedConfig(Section):
         "waits for more (after a node is lost, the survivors wait this long before going on without it).",
     )
     max_restarts: int = Field(0, ge=0, description="Elastic restarts of the worker group on failure.")
+    stop_check_steps: int = Field(
+        10, ge=1, description="How often (in steps) the ranks agree on a stop signal (a small CPU "
+        "all-reduce); also at every checkpoint due and epoch end. A SIGTERM/SIGINT stops the run at "
+        "most this many steps later.",
+    )
     stop_grace_s: int = Field(
         120, ge=1, description="On SIGTERM/SIGINT, how long workers get to finish the step and "
         "checkpoint before they are killed.",

@@ -15,6 +15,9 @@ per-worker batch, world size and threads:
 
 Each loop also runs at the other's precision and memory format, so the rows
 show both the gain from the settings and that ddp is not slower at equal ones.
+A `ddp_ema` row is ddp's defaults with the weights' EMA on, updated every step
+(`ratio_ema_vs_defaults`, its images/s over the defaults'); `ema_ms` times the
+EMA update alone, and `ema_share_of_step` is its fraction of the breakdown's step.
 The variants alternate over `rounds` (fresh model each time) so background load
 hits all alike. A breakdown times the Trainer's own step methods with the
 default settings (data wait, `forward_loss`, `backward`, `optimizer_step` with
@@ -48,6 +51,7 @@ from ddp_cli.train.trainer import Trainer
 CPU = torch.device("cpu")
 STORED_IMAGES = 64  # distinct synthetic images; items cycle through them
 PHASES = ("data", "forward", "backward", "optimizer")
+EMA = ("train.ema_decay=0.9999",)  # the ddp_ema row: ddp's defaults with the EMA updated every step
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,13 @@ def time_tutorial(spec: StepSpec, precision: str, channels_last: bool) -> float:
     return _timed(spec, step)
 
 
+def ema_ms(spec: StepSpec, precision: str, channels_last: bool) -> float:
+    """Milliseconds of one EMA update of the Trainer's model, after the warm-up."""
+    trainer = ddp_trainer(spec, precision, channels_last, EMA)
+    module = trainer.model.module
+    return _timed(spec, lambda: trainer.ema.update(module)) / spec.steps * 1e3
+
+
 def _timed(spec: StepSpec, step) -> float:
     for _ in range(spec.warmup):
         step()
@@ -197,20 +208,22 @@ def breakdown(spec: StepSpec, precision: str, channels_last: bool) -> dict[str, 
 
 def _step_worker(rank: int, world_size: int, spec: StepSpec, fast: str) -> dict | None:
     variants = [("ddp", fast, True), ("ddp", "fp32", False), ("tutorial", "fp32", False),
-                ("tutorial", fast, True)]
+                ("tutorial", fast, True), ("ddp_ema", fast, True)]
+    timers = {"ddp": time_ddp, "tutorial": time_tutorial,
+              "ddp_ema": lambda *args: time_ddp(*args, overrides=EMA)}
     seconds = {v: 0.0 for v in variants}
     for r in range(spec.rounds):
         for loop, precision, channels_last in variants[r % len(variants):] + variants[:r % len(variants)]:
-            timer = time_ddp if loop == "ddp" else time_tutorial
-            seconds[(loop, precision, channels_last)] += timer(spec, precision, channels_last)
+            seconds[(loop, precision, channels_last)] += timers[loop](spec, precision, channels_last)
     parts = breakdown(spec, fast, True)
+    ema = ema_ms(spec, fast, True)
     if rank:
         return None
     images = spec.rounds * spec.steps * spec.batch_size * world_size
     rows = [{"loop": loop, "precision": precision, "channels_last": channels_last, "images": images,
              "seconds": s, "images_per_second": images / s}
             for (loop, precision, channels_last), s in seconds.items()]
-    return {"rows": rows, "breakdown": parts}
+    return {"rows": rows, "breakdown": parts, "ema_ms": ema}
 
 
 def step_header(bench: str, spec: StepSpec, world_size: int, threads: int) -> dict:
@@ -233,4 +246,7 @@ def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
         "ratio_defaults_vs_baseline": rate[("ddp", fast, True)] / rate[("tutorial", "fp32", False)],
         "ratio_equal_fp32": rate[("ddp", "fp32", False)] / rate[("tutorial", "fp32", False)],
         "ratio_equal_fast": rate[("ddp", fast, True)] / rate[("tutorial", fast, True)],
+        "ratio_ema_vs_defaults": rate[("ddp_ema", fast, True)] / rate[("ddp", fast, True)],
+        "ema_ms": out["ema_ms"],
+        "ema_share_of_step": out["ema_ms"] / out["breakdown"]["step_ms"],
     }

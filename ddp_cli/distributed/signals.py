@@ -1,8 +1,12 @@
 """Graceful stop: SIGTERM/SIGINT ask every rank to finish its step, checkpoint, and exit 143/130.
 
-A signal only sets a flag. Ranks agree on it after every step with a tiny
-all-reduce (MAX) on a CPU gloo group, so they all stop after the same step and
-nobody is left waiting in a collective. A second signal stops at once.
+A signal only sets a flag. Ranks agree on it with a tiny all-reduce (MAX) on a
+CPU gloo group, so they all stop after the same step and nobody is left waiting
+in a collective. They agree only every `distributed.stop_check_steps` steps (and
+at each checkpoint due anyway and each epoch's end; see `Checkpointer.due`), not
+after every step, so the host is not held back to meet the other ranks over TCP
+each step: a stop comes at most that many steps after the signal, which
+`distributed.stop_grace_s` must cover. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ CODES = {signal.SIGTERM: SIGTERM, signal.SIGINT: SIGINT}
 
 
 class StopRequest:
-    """Installed in each worker; `agreed()` is the collective check after a step."""
+    """Installed in each worker; `agreed()` is the collective check, every `stop_check_steps` steps."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group

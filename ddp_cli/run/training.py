@@ -98,7 +98,8 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
     checkpointer = Checkpointer(CheckpointStore(folder / "checkpoints", cfg.checkpoint.keep_last),
                                 writes=ctx.local_rank == 0, every_steps=cfg.checkpoint.every_steps,
                                 stop=StopRequest(control_group(ctx.backend)), meta=meta,
-                                background=cfg.checkpoint.background)
+                                background=cfg.checkpoint.background,
+                                stop_every=cfg.distributed.stop_check_steps)
     metrics = build_sinks(cfg.logging, folder, cfg.model_dump(mode="json")) if ctx.is_main else None
     console = RunConsole(ctx.is_main and not job.quiet, cfg.logging.every_steps)
     trainer = Trainer(cfg, ctx, model, loaders, count_steps(len(loaders.train), cfg.train),

@@ -254,7 +254,8 @@ class Checkpointer:
     data set, classes) rides along so `ddp validate` needs nothing else. After
     every step the loop asks `due()`: a save comes at each epoch's end (with its
     val top-1, which decides best.pt), every `every_steps`, and after the step at
-    which all ranks agreed to stop on a signal; the loop makes its state ready
+    which all ranks agreed to stop on a signal (they agree every `stop_every`
+    steps and at every save due anyway); the loop makes its state ready
     and calls `save()`, then `end_if_stopping()` ends the run on that signal
     (exit 143/130). Every rank takes part (RNG states are gathered); ranks with
     `writes` (each node's first) write, so any node can resume.
@@ -262,8 +263,9 @@ class Checkpointer:
 
     def __init__(self, store: CheckpointStore | None, writes: bool = True, every_steps: int = 0,
                  stop: StopRequest | None = None, meta: dict[str, Any] | None = None,
-                 background: bool = False) -> None:
+                 background: bool = False, stop_every: int = 1) -> None:
         self.store, self.writes, self.every, self.stop = store, writes, every_steps, stop
+        self.stop_every = stop_every  # steps between stop agreements (distributed.stop_check_steps)
         self.meta = meta or {}
         self.progress = RunState()
         self.stopping = 0  # the signal all ranks agreed to stop on at the last `due()`, else 0
@@ -283,9 +285,14 @@ class Checkpointer:
 
     def due(self, epoch_end: bool = False) -> bool:
         """Whether the step just taken is to be saved: at an epoch's end, every `every_steps`, or on a
-        stop signal. Asks every rank whether one came (a collective: call it once after every step)."""
-        self.stopping = self.stop.agreed() if self.stop else 0
-        return epoch_end or bool(self.stopping) or bool(self.every and self.progress.step % self.every == 0)
+        stop signal. Call it on every rank after every step: every `stop_every` steps, at an epoch's end
+        and when a save is due anyway, it asks every rank whether a signal came (a collective, the same
+        steps on all ranks, so all stop after the same step); in between it asks nothing, so a stop comes
+        at most `stop_every` steps after the signal."""
+        scheduled = epoch_end or bool(self.every and self.progress.step % self.every == 0)
+        ask = self.stop and (scheduled or self.progress.step % self.stop_every == 0)
+        self.stopping = self.stop.agreed() if ask else 0
+        return scheduled or bool(self.stopping)
 
     def end_if_stopping(self, path: Path | None) -> None:
         """After the save a stop signal made due: once it is on disk, end the run (exit 143/130)."""

@@ -1,13 +1,22 @@
 """An exponential moving average (EMA) of the weights, validated beside the live model.
 
-After every optimisation step, each floating tensor of the model's state
-(weights and BatchNorm running statistics alike, as torchvision's reference
-does with `use_buffers=True`) moves toward the live one:
-`ema = d * ema + (1 - d) * live`. Averaging the statistics with the weights
-keeps them roughly matched without an extra pass over the data; integer
-buffers (`num_batches_tracked`) are copied. The decay ramps up as
-`d_t = min(decay, (1 + t) / (10 + t))` (TensorFlow's `num_updates` rule), so
-a short run's average is not stuck near the random initial weights.
+Every `every` optimisation steps (`train.ema_every_steps`), each floating
+tensor of the model's state (weights and BatchNorm running statistics alike, as
+torchvision's reference does with `use_buffers=True`) moves toward the live
+one: `ema = d * ema + (1 - d) * live`. Averaging the statistics with the
+weights keeps them roughly matched without an extra pass over the data; integer
+buffers (`num_batches_tracked`) are copied. Updating every `every` steps uses
+`d = decay ** every`, which keeps the averaging horizon the same in steps (a
+weight's influence after n steps is `decay ** n` either way) for 1/`every` of
+the cost; torchvision's recipes do the same (every 32 steps). The decay ramps up
+per update as `d_t = min(d, (1 + t) / (10 + t))` (TensorFlow's `num_updates`
+rule, t = updates so far), so a short run's average is not stuck near the
+random initial weights.
+
+The update is a handful of foreach kernels over tensor lists built once (the
+EMA module's and the live model's state, in state_dict order), not one kernel
+per tensor over freshly built state dicts; `restart` and `load_state_dict` copy
+in place, so the lists stay valid.
 """
 
 from __future__ import annotations
@@ -19,36 +28,52 @@ import torch
 from torch import nn
 
 
+def split_state(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The module's state tensors in state_dict order: (floating, the rest)."""
+    tensors = list(module.state_dict().values())
+    return [t for t in tensors if t.is_floating_point()], [t for t in tensors if not t.is_floating_point()]
+
+
 class EmaModel:
     """Every rank keeps one (same updates, same weights); rank 0's BatchNorm statistics win."""
 
-    def __init__(self, model: nn.Module, decay: float) -> None:
+    def __init__(self, model: nn.Module, decay: float, every: int = 1) -> None:
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
-        self.decay, self.updates = decay, 0
+        self.decay, self.every, self.updates = decay, every, 0
+        self.floats, self.others = split_state(self.module)  # the average's tensors, updated in place
+        self.live: nn.Module | None = None  # the model whose tensors `live_floats`/`live_others` are
+        self.live_floats: list[torch.Tensor] = []
+        self.live_others: list[torch.Tensor] = []
 
     def current_decay(self) -> float:
-        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+        return min(self.decay ** self.every, (1 + self.updates) / (10 + self.updates))
+
+    def step(self, model: nn.Module, step: int) -> None:
+        """After optimisation step `step` (counted from 1 over the run): update on every `every`-th."""
+        if step % self.every == 0:
+            self.update(model)
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
+        if model is not self.live:
+            self.live = model
+            self.live_floats, self.live_others = split_state(model)
         d = self.current_decay()
         self.updates += 1
-        for average, live in zip(self.module.state_dict().values(), model.state_dict().values(),
-                                 strict=True):
-            if average.is_floating_point():
-                average.lerp_(live, 1 - d)
-            else:
-                average.copy_(live)
+        if self.floats:
+            torch._foreach_lerp_(self.floats, self.live_floats, 1 - d)
+        if self.others:
+            torch._foreach_copy_(self.others, self.live_others)
 
     @torch.no_grad()
     def restart(self, model: nn.Module) -> None:
         """Start averaging afresh from `model`'s weights (resuming a run that had no EMA)."""
-        self.module.load_state_dict(model.state_dict())
+        self.module.load_state_dict(model.state_dict())  # in place: `floats` and `others` stay valid
         self.updates = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"module": self.module.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])
+        self.module.load_state_dict(state["module"])  # in place, as in `restart`
         self.updates = state["updates"]

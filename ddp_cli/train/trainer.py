@@ -83,7 +83,8 @@ class Trainer:
         self.accum = cfg.train.grad_accum
         self.global_batch = cfg.global_batch(ctx.world_size)
         model = place(model, cfg.model, ctx.device)
-        self.ema = EmaModel(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        train = cfg.train
+        self.ema = EmaModel(model, train.ema_decay, train.ema_every_steps) if train.ema_decay else None
         self.model = replicate(model, cfg.distributed, ctx.device, steps_per_epoch * cfg.train.epochs)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.lr = cfg.lr(ctx.world_size)
@@ -232,8 +233,8 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        if self.ema:
-            self.ema.update(self.model.module)
+        if self.ema:  # the step being taken: `state.step` counts it once train_step returns
+            self.ema.step(self.model.module, self.state.step + 1)
 
     def check_finite(self) -> float:
         """The epoch's mean loss so far; non-finite ends the run (exit 4), keeping the last checkpoint."""

@@ -24,7 +24,7 @@ def test_bench_step_rows_ratios_and_breakdown():
     assert fast in ("bf16", "fp32")
     rate = {(r["loop"], r["precision"], r["channels_last"]): r["images_per_second"] for r in out["rows"]}
     assert set(rate) == {("ddp", fast, True), ("ddp", "fp32", False), ("tutorial", "fp32", False),
-                         ("tutorial", fast, True)}
+                         ("tutorial", fast, True), ("ddp_ema", fast, True)}
     for row in out["rows"]:
         assert row["images"] == 1 * 1 * 4 * 2  # rounds x steps x batch x world
         assert abs(row["images_per_second"] - row["images"] / row["seconds"]) < 1e-6
@@ -32,6 +32,10 @@ def test_bench_step_rows_ratios_and_breakdown():
     assert abs(out["ratio_equal_fp32"] - rate[("ddp", "fp32", False)] / baseline) < 1e-9
     assert abs(out["ratio_defaults_vs_baseline"] - rate[("ddp", fast, True)] / baseline) < 1e-9
     assert abs(out["ratio_equal_fast"] - rate[("ddp", fast, True)] / rate[("tutorial", fast, True)]) < 1e-9
+    ema, defaults = rate[("ddp_ema", fast, True)], rate[("ddp", fast, True)]
+    assert abs(out["ratio_ema_vs_defaults"] - ema / defaults) < 1e-9
+    assert out["ema_ms"] > 0
+    assert abs(out["ema_share_of_step"] - out["ema_ms"] / out["breakdown"]["step_ms"]) < 1e-9
     parts = out["breakdown"]
     assert set(parts) == {"data_ms", "forward_ms", "backward_ms", "exposed_allreduce_ms", "optimizer_ms",
                           "step_ms"}

@@ -1,0 +1,99 @@
+"""The stop flag is agreed every `distributed.stop_check_steps` steps (and at every save due anyway),
+not after every step: the host is not held back by a CPU collective each step, and all ranks still stop
+after the same step."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+from replicas import CLASSES, make_config, step_replica
+
+from ddp_cli.data.pipeline.loaders import Loaders
+from ddp_cli.distributed.setup import DistContext, seed_everything
+from ddp_cli.distributed.signals import CODES, StopRequest
+from ddp_cli.errors import DdpError
+from ddp_cli.models import build_model
+from ddp_cli.train.checkpoint import Checkpointer
+from ddp_cli.train.trainer import Trainer
+
+
+class CountingStop:
+    """A StopRequest stand-in: counts the agreements, at the step each came."""
+
+    def __init__(self, checkpointer_steps: list[int]) -> None:
+        self.signal, self.asked_at, self.steps = 0, [], checkpointer_steps
+
+    def agreed(self) -> int:
+        self.asked_at.append(self.steps[0])
+        return self.signal
+
+
+def asked(stop_every: int, every_steps: int = 0, epoch_ends: tuple[int, ...] = ()) -> list[int]:
+    step = [0]
+    stop = CountingStop(step)
+    ckpt = Checkpointer(None, every_steps=every_steps, stop=stop, stop_every=stop_every)
+    for step[0] in range(1, 21):
+        ckpt.progress.step = step[0]
+        ckpt.due(epoch_end=step[0] in epoch_ends)
+    return stop.asked_at
+
+
+def test_the_stop_is_agreed_every_stop_every_steps_and_whenever_a_save_is_due():
+    assert asked(10) == [10, 20]
+    assert asked(10, every_steps=4) == [4, 8, 10, 12, 16, 20]
+    assert asked(10, epoch_ends=(7, 14)) == [7, 10, 14, 20]
+    assert asked(1) == list(range(1, 21))
+
+
+@pytest.fixture
+def one_process_group():
+    handlers = {sig: signal.getsignal(sig) for sig in CODES}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def trainer_with_stop(stop_check_steps: int) -> Trainer:
+    cfg = make_config({"distributed": {"stop_check_steps": stop_check_steps}, "data": {"batch_size": 1}})
+    seed_everything(cfg.seed)
+    ctx = DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo")
+    checkpointer = Checkpointer(None, stop=StopRequest(None), stop_every=stop_check_steps)
+    trainer = Trainer(cfg, ctx, build_model(cfg.model, CLASSES), Loaders(None, [], None), 40, checkpointer)
+    trainer.model.eval()
+    return trainer
+
+
+def run_steps(trainer: Trainer, steps: range, signal_after: int = 0) -> None:
+    """Steps as train_epoch takes them: train_step, count it, then `checkpoint()`."""
+    for step in steps:
+        step_replica(trainer, 0, 1, step)
+        trainer.state.step = trainer.state.step_in_epoch = step
+        if step == signal_after:
+            trainer.checkpointer.stop.signal = signal.SIGTERM  # as the handler sets it
+        trainer.checkpoint()
+
+
+def test_twenty_real_steps_make_a_collective_only_at_each_agreement(one_process_group, monkeypatch):
+    trainer = trainer_with_stop(10)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(trainer.state.step)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", counting)
+    run_steps(trainer, range(1, 21))
+    assert calls == [10, 20]  # DDP's own gradient all-reduce goes through its reducer, not counted
+
+
+def test_a_signal_stops_the_run_at_the_next_agreement(one_process_group):
+    trainer = trainer_with_stop(4)
+    with pytest.raises(DdpError, match="stopped by SIGTERM after step 4") as stopped:
+        run_steps(trainer, range(1, 9), signal_after=1)
+    assert stopped.value.exit_code == 143 and trainer.state.step == 4
