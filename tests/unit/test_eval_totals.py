@@ -267,3 +267,15 @@ def test_two_ranks_reduce_to_the_totals_and_confusion_matrix_of_one_process(monk
         assert torch.equal(totals.confusion, single.confusion)
         assert totals.confusion.shape == (classes, classes) and totals.confusion.sum() == expected["images"]
     assert ranks[0].kept == sorted(single.kept) and ranks[1].kept == []  # gathered on rank 0 only
+
+
+def test_per_class_counts_and_top1_from_the_confusion_matrix_and_none_for_a_class_without_images():
+    logits = torch.tensor([[5.0, 0.0, 1.0], [0.0, 5.0, 1.0], [0.0, 5.0, 1.0], [1.0, 0.0, 5.0]])
+    t = EvalTotals(CPU)
+    t.add(logits, torch.tensor([0, 0, 1, 0]), torch.tensor([True, True, True, False]))
+    t.reduce()
+    assert t.per_class(["a", "b", "c"], ["A", "B", "C"]) == [
+        {"index": 0, "synset": "a", "description": "A", "images": 2, "top1": 0.5},
+        {"index": 1, "synset": "b", "description": "B", "images": 1, "top1": 1.0},
+        {"index": 2, "synset": "c", "description": "C", "images": 0, "top1": None},
+    ]
