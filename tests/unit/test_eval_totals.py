@@ -279,3 +279,22 @@ def test_per_class_counts_and_top1_from_the_confusion_matrix_and_none_for_a_clas
         {"index": 1, "synset": "b", "description": "B", "images": 1, "top1": 1.0},
         {"index": 2, "synset": "c", "description": "C", "images": 0, "top1": None},
     ]
+
+
+def test_class_names_that_do_not_fit_the_matrix_are_an_error_not_a_short_table():
+    t = EvalTotals(CPU)
+    t.add(torch.eye(3), torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool))
+    t.reduce()
+    with pytest.raises(ValueError, match="zip"):
+        t.per_class(["a", "b"], ["A", "B"])
+    with pytest.raises(ValueError, match="zip"):
+        t.per_class(["a", "b", "c"], ["A", "B"])
+
+
+def test_kept_predictions_need_a_position_per_image():
+    t = EvalTotals(CPU, keep_topk=1)
+    logits, target, keep = torch.eye(3), torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="zip"):
+        t.add(logits, target, keep, positions=[0, 1])
+    with pytest.raises(ValueError, match="zip"):
+        t.add(logits, target, keep)  # no positions: nothing to write them against

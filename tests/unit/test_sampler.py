@@ -246,3 +246,10 @@ def test_ranks_on_shards_see_the_batches_one_process_with_the_global_batch_sees(
 def test_a_split_without_shards_is_an_empty_order_of_indices():
     order = shard_order(np.array([0]), seed=0, epoch=0, window=3)
     assert order.dtype == torch.int64 and order.shape == (0,)
+
+
+def test_shard_order_depends_on_the_seed_as_well_as_the_epoch():
+    starts = np.arange(0, 101, 10)
+    orders = {tuple(shard_order(starts, seed, epoch, window=2).tolist())
+              for seed in (0, 1, 2) for epoch in (0, 1)}
+    assert len(orders) == 6
