@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -298,3 +299,11 @@ def test_kept_predictions_need_a_position_per_image():
         t.add(logits, target, keep, positions=[0, 1])
     with pytest.raises(ValueError, match="zip"):
         t.add(logits, target, keep)  # no positions: nothing to write them against
+
+
+def test_the_loss_is_summed_in_float64_a_huge_loss_does_not_swallow_the_small_ones():
+    t = EvalTotals(CPU)
+    one = torch.ones(1, dtype=torch.bool)
+    t.add(torch.tensor([[0.0, 1e8]]), torch.tensor([0]), one)  # loss 1e8: float32's spacing there is 8
+    t.add(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), one)  # loss log 2
+    assert t.reduce()["loss"] * 2 == pytest.approx(1e8 + math.log(2), abs=1e-3)
