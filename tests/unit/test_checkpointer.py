@@ -174,3 +174,25 @@ def test_a_save_is_due_at_an_epochs_end_every_n_steps_and_on_a_stop(tmp_path):
     ckpt.end_if_stopping(None)  # no stop agreed: nothing ends
     ckpt.every, progress.step, ckpt.stop = 0, 9, AgreedStop()
     assert ckpt.due() and ckpt.stopping == signal.SIGTERM
+
+
+def test_the_stop_names_the_checkpoint_and_the_run_dir_that_resumes_it(tmp_path):
+    """The writing rank names its checkpoint; a rank without a store (or a save that wrote nothing)
+    names the run's checkpoints folder, relative to the run dir."""
+    ckpt, _, _ = checkpointer(tmp_path / "run" / "checkpoints", background=False, stop=AgreedStop())
+    assert ckpt.due()
+    path = ckpt.save()
+    with pytest.raises(DdpError) as stopped:
+        ckpt.end_if_stopping(path)
+    assert str(stopped.value) == (f"stopped by SIGTERM after step 7, checkpoint {path}; the same command "
+                                  f"with --run-dir {tmp_path / 'run'} resumes it")
+    with pytest.raises(DdpError) as nothing_written:
+        ckpt.end_if_stopping(None)
+    assert f"checkpoint {tmp_path / 'run' / 'checkpoints'};" in str(nothing_written.value)
+    other = Checkpointer(None, stop=AgreedStop())
+    other.track(RunState(epoch=1, step=3, global_batch=32))
+    assert other.due()
+    with pytest.raises(DdpError) as elsewhere:
+        other.end_if_stopping(None)
+    assert str(elsewhere.value).endswith("after step 3, checkpoint checkpoints; the same command with "
+                                         "--run-dir . resumes it")
