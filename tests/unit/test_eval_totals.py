@@ -267,6 +267,7 @@ def test_two_ranks_reduce_to_the_totals_and_confusion_matrix_of_one_process(monk
         assert totals.metrics == pytest.approx(expected)
         assert torch.equal(totals.confusion, single.confusion)
         assert totals.confusion.shape == (classes, classes) and totals.confusion.sum() == expected["images"]
+        assert totals.confusion.dtype == torch.int64  # counts, on the rank that saw none too
     assert ranks[0].kept == sorted(single.kept) and ranks[1].kept == []  # gathered on rank 0 only
 
 
@@ -307,3 +308,17 @@ def test_the_loss_is_summed_in_float64_a_huge_loss_does_not_swallow_the_small_on
     t.add(torch.tensor([[0.0, 1e8]]), torch.tensor([0]), one)  # loss 1e8: float32's spacing there is 8
     t.add(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), one)  # loss log 2
     assert t.reduce()["loss"] * 2 == pytest.approx(1e8 + math.log(2), abs=1e-3)
+
+
+def test_one_image_is_a_whole_epoch_of_one():
+    t = EvalTotals(CPU)
+    t.add(torch.tensor([[0.0, 3.0]]), torch.tensor([1]), torch.ones(1, dtype=torch.bool))
+    metrics = t.reduce()
+    assert metrics["images"] == 1 and metrics["top1"] == 1.0
+    assert metrics["loss"] == pytest.approx(math.log(1 + math.exp(-3.0)))
+
+
+def test_a_rank_with_no_images_alone_reduces_to_zeros_and_an_empty_count_matrix():
+    t = EvalTotals(CPU)
+    assert t.reduce() == {"loss": 0.0, "top1": 0.0, "top5": 0.0, "images": 0}
+    assert t.confusion.shape == (0, 0) and t.confusion.dtype == torch.int64
