@@ -299,6 +299,8 @@ def test_kept_predictions_need_a_position_per_image():
     with pytest.raises(ValueError, match="zip"):
         t.add(logits, target, keep, positions=[0, 1])
     with pytest.raises(ValueError, match="zip"):
+        t.add(logits, target, keep, positions=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="zip"):
         t.add(logits, target, keep)  # no positions: nothing to write them against
 
 
