@@ -61,7 +61,8 @@ class Executes:  # any class: weights_only refuses to build it
 
 def test_load_plain_refuses_objects_and_names_the_file(tmp_path):
     torch.save({"x": Executes()}, tmp_path / "evil.pt")
-    with pytest.raises(DataError, match=r"evil\.pt: refused, it holds more than plain data \(weights_only"):
+    refused = r"evil\.pt: refused, it holds more than plain data \(weights_only load\): Weights only load"
+    with pytest.raises(DataError, match=refused):
         io.load_plain(tmp_path / "evil.pt")
 
 
@@ -88,3 +89,12 @@ def test_a_truncated_checkpoint_is_a_data_error(tmp_path):
                                                  ({}, False), ([("format", 1)], False)])
 def test_is_checkpoint_needs_a_dict_with_the_format_marker(state, expected):
     assert io.is_checkpoint(state) is expected
+
+
+def test_the_temp_file_is_hidden_beside_the_target(tmp_path):
+    """Beside it: on the same file system, so the rename is atomic; hidden and marked .tmp, so a listing
+    of checkpoints never takes it for one."""
+    path = tmp_path / "f.bin"
+    seen = []
+    io.atomic_write(path, lambda f: seen.extend(os.listdir(tmp_path)))
+    assert len(seen) == 1 and seen[0].startswith(".f.bin.") and seen[0].endswith(".tmp")
