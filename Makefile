@@ -42,9 +42,11 @@ test-cuda: setup
 # plausible changes ("mutants") are made to the code, one at a time, and each must make a unit test fail.
 # Not part of `make test` (time): run it after changing a core module or its tests, scoped to that module:
 #   make mutate MODULE=ddp_cli/data/fetch/retry.py
-# The first run traces tests/unit once (~5 min on 2 busy cores) to learn which tests cover which
-# function; then each mutant runs only those tests, in-process, MUTATE_JOBS at a time. Measured on 2 shared
-# cores: retry.py (165 mutants) 21 min including the trace; the whole core (1984 mutants) is over 30 min.
+# The first run traces the core's own unit test files once (pytest_add_cli_args_test_selection; ~2 min)
+# to learn which tests cover which function; then each mutant runs only those tests, in-process,
+# MUTATE_JOBS at a time. Measured on 2 cores shared with another engineer's e2e suite (load 4-5): the
+# whole core (1988 mutants) reached 1518 in 30 min (the slowest mutants come last), so a whole run is
+# over 40 min on such cores (before the narrower trace: 822 in 25 min; retry.py alone 21 min).
 # With MODULE every mutant of it is retested; without, only those not yet tested or whose function changed
 # (results are kept in mutants/, git-ignored; `rm -rf mutants` starts afresh). It ends with the score per
 # module and the survivors (`$(BIN)/mutmut show NAME`); those that stand are in tests/mutation-survivors.md.

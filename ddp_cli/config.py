@@ -498,6 +498,8 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+# The docs site's reference page (tested by the docs build), not config validation: not mutation-tested.
+# pragma: no mutate start
 def reference_markdown() -> str:
     """The config reference of the docs site (docs/hooks.py builds it into a page): per section, a
     table of its keys with their type, default and description, from the models themselves."""
@@ -539,3 +541,4 @@ def _type_name(annotation: Any) -> str:
     if origin is dict:
         return "table"
     return getattr(annotation, "__name__", str(annotation))
+# pragma: no mutate end

@@ -87,9 +87,14 @@ def load_plain(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise DataError(f"{path}: refused, it holds more than plain data (weights_only load): "
-                        f"{str(e).splitlines()[0]}") from e
+                        f"{_first_line(e)}") from e
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable or truncated checkpoint ({str(e).splitlines()[0]})") from e
+        raise DataError(f"{path}: unreadable or truncated checkpoint ({_first_line(e)})") from e
+
+
+def _first_line(e: Exception) -> str:
+    """The first line of `e`'s message, or its class where it has none (an empty file: EOFError())."""
+    return next(iter(str(e).splitlines()), type(e).__name__)
 
 
 def is_checkpoint(state: Any) -> bool:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_cli.errors import DataError, DdpError
+from ddp_cli.errors import ConfigError, DataError, DdpError
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore, RunState, load_checkpoint, verify
 
 
@@ -137,6 +137,32 @@ def test_progress_round_trips_field_by_field_and_missing_parts_are_named(tmp_pat
     bare.load(path)  # an optional part may be absent
 
 
+def load_error(path: Path, error: type[DdpError], **parts: nn.Module) -> str:
+    """The message of `error`, raised by loading `path` into a checkpointer of `parts`."""
+    other = Checkpointer(None)
+    other.register(**parts)
+    with pytest.raises(error) as raised:
+        other.load(path)
+    return str(raised.value)
+
+
+def test_a_missing_or_unfitting_part_names_the_ways_on_and_parts_after_an_absent_optional_one_load(tmp_path):
+    ckpt, model, _ = checkpointer(tmp_path, background=False)
+    path = ckpt.save(top1=0.5)
+    assert load_error(path, DataError, ema=nn.Linear(2, 2)) == (
+        f"{path}: the checkpoint has no ema state; resume from another one (--resume PATH) or start afresh "
+        "(--resume never)")
+    assert load_error(path, ConfigError, model=nn.Linear(64, 10)) == (  # torch's first line only
+        f"resume: {path}: its model does not fit this run (another model or class count? Error(s) in "
+        "loading state_dict for Linear:); use --resume never or a new --run-dir")
+    fresh = nn.Linear(64, 32)
+    later = Checkpointer(None)
+    later.register(optional=("ema",), ema=nn.Linear(2, 2))
+    later.register(model=fresh)  # after the absent optional part: still restored
+    later.load(path)
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
 def test_a_save_is_due_at_an_epochs_end_every_n_steps_and_on_a_stop(tmp_path):
     ckpt, _, progress = checkpointer(tmp_path, background=False, every_steps=4)
     assert ckpt.due(epoch_end=True) and not ckpt.due()  # step 7
@@ -145,3 +171,25 @@ def test_a_save_is_due_at_an_epochs_end_every_n_steps_and_on_a_stop(tmp_path):
     ckpt.end_if_stopping(None)  # no stop agreed: nothing ends
     ckpt.every, progress.step, ckpt.stop = 0, 9, AgreedStop()
     assert ckpt.due() and ckpt.stopping == signal.SIGTERM
+
+
+def test_the_stop_names_the_checkpoint_and_the_run_dir_that_resumes_it(tmp_path):
+    """The writing rank names its checkpoint; a rank without a store (or a save that wrote nothing)
+    names the run's checkpoints folder, relative to the run dir."""
+    ckpt, _, _ = checkpointer(tmp_path / "run" / "checkpoints", background=False, stop=AgreedStop())
+    assert ckpt.due()
+    path = ckpt.save()
+    with pytest.raises(DdpError) as stopped:
+        ckpt.end_if_stopping(path)
+    assert str(stopped.value) == (f"stopped by SIGTERM after step 7, checkpoint {path}; the same command "
+                                  f"with --run-dir {tmp_path / 'run'} resumes it")
+    with pytest.raises(DdpError) as nothing_written:
+        ckpt.end_if_stopping(None)
+    assert f"checkpoint {tmp_path / 'run' / 'checkpoints'};" in str(nothing_written.value)
+    other = Checkpointer(None, stop=AgreedStop())
+    other.track(RunState(epoch=1, step=3, global_batch=32))
+    assert other.due()
+    with pytest.raises(DdpError) as elsewhere:
+        other.end_if_stopping(None)
+    assert str(elsewhere.value).endswith("after step 3, checkpoint checkpoints; the same command with "
+                                         "--run-dir . resumes it")

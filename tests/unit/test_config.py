@@ -9,7 +9,7 @@ import typing
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from ddp_cli.config import RunConfig, apply_override, config_from_dict, load_config
+from ddp_cli.config import AugmentConfig, DataConfig, RunConfig, apply_override, config_from_dict, load_config
 from ddp_cli.errors import ConfigError
 
 VALID = """\
@@ -222,3 +222,25 @@ def test_every_section_refuses_an_unknown_key_naming_it(section):
     key = f"{section}.bogus_key" if section else "bogus_key"
     with pytest.raises(ConfigError, match=rf"^config: {re.escape(key)}: unknown key"):
         config_from_dict(raw)
+
+
+@pytest.mark.parametrize(("mix_prob", "mixup", "cutmix", "mixing"), [
+    (0.0, 0.2, 1.0, False), (0.5, 0.0, 0.0, False), (1.0, 0.2, 0.0, True), (1.0, 0.0, 1.0, True),
+    (0.5, 0.8, 1.0, True), (1.0, 0.5, 0.0, True), (1.0, 0.0, 0.5, True),
+])
+def test_mixing_needs_a_probability_and_an_alpha(mix_prob, mixup, cutmix, mixing):
+    cfg = AugmentConfig(mix_prob=mix_prob, mixup_alpha=mixup, cutmix_alpha=cutmix)
+    assert cfg.mixing() is mixing
+
+
+def test_an_override_value_may_hold_an_equals_sign():
+    raw: dict = {}
+    apply_override(raw, "data.dataset=a=b")
+    assert raw == {"data": {"dataset": "a=b"}}
+
+
+def test_progressive_sizes_are_every_train_crop_and_the_val_crop():
+    cfg = DataConfig(image_size=256, min_image_size=128, ramp_epochs=[2, 6], val_image_size=288)
+    assert cfg.sizes(8) == {128, 160, 192, 224, 256, 288}
+    assert cfg.sizes(3) == {128, 288}
+    assert DataConfig(image_size=224).sizes(3) == {224}

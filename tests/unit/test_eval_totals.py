@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -266,4 +267,60 @@ def test_two_ranks_reduce_to_the_totals_and_confusion_matrix_of_one_process(monk
         assert totals.metrics == pytest.approx(expected)
         assert torch.equal(totals.confusion, single.confusion)
         assert totals.confusion.shape == (classes, classes) and totals.confusion.sum() == expected["images"]
+        assert totals.confusion.dtype == torch.int64  # counts, on the rank that saw none too
     assert ranks[0].kept == sorted(single.kept) and ranks[1].kept == []  # gathered on rank 0 only
+
+
+def test_per_class_counts_and_top1_from_the_confusion_matrix_and_none_for_a_class_without_images():
+    logits = torch.tensor([[5.0, 0.0, 1.0], [0.0, 5.0, 1.0], [0.0, 5.0, 1.0], [1.0, 0.0, 5.0]])
+    t = EvalTotals(CPU)
+    t.add(logits, torch.tensor([0, 0, 1, 0]), torch.tensor([True, True, True, False]))
+    t.reduce()
+    assert t.per_class(["a", "b", "c"], ["A", "B", "C"]) == [
+        {"index": 0, "synset": "a", "description": "A", "images": 2, "top1": 0.5},
+        {"index": 1, "synset": "b", "description": "B", "images": 1, "top1": 1.0},
+        {"index": 2, "synset": "c", "description": "C", "images": 0, "top1": None},
+    ]
+
+
+def test_class_names_that_do_not_fit_the_matrix_are_an_error_not_a_short_table():
+    t = EvalTotals(CPU)
+    t.add(torch.eye(3), torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool))
+    t.reduce()
+    with pytest.raises(ValueError, match="zip"):
+        t.per_class(["a", "b"], ["A", "B"])
+    with pytest.raises(ValueError, match="zip"):
+        t.per_class(["a", "b", "c"], ["A", "B"])
+
+
+def test_kept_predictions_need_a_position_per_image():
+    t = EvalTotals(CPU, keep_topk=1)
+    logits, target, keep = torch.eye(3), torch.tensor([0, 1, 2]), torch.ones(3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="zip"):
+        t.add(logits, target, keep, positions=[0, 1])
+    with pytest.raises(ValueError, match="zip"):
+        t.add(logits, target, keep, positions=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="zip"):
+        t.add(logits, target, keep)  # no positions: nothing to write them against
+
+
+def test_the_loss_is_summed_in_float64_a_huge_loss_does_not_swallow_the_small_ones():
+    t = EvalTotals(CPU)
+    one = torch.ones(1, dtype=torch.bool)
+    t.add(torch.tensor([[0.0, 1e8]]), torch.tensor([0]), one)  # loss 1e8: float32's spacing there is 8
+    t.add(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), one)  # loss log 2
+    assert t.reduce()["loss"] * 2 == pytest.approx(1e8 + math.log(2), abs=1e-3)
+
+
+def test_one_image_is_a_whole_epoch_of_one():
+    t = EvalTotals(CPU)
+    t.add(torch.tensor([[0.0, 3.0]]), torch.tensor([1]), torch.ones(1, dtype=torch.bool))
+    metrics = t.reduce()
+    assert metrics["images"] == 1 and metrics["top1"] == 1.0
+    assert metrics["loss"] == pytest.approx(math.log(1 + math.exp(-3.0)))
+
+
+def test_a_rank_with_no_images_alone_reduces_to_zeros_and_an_empty_count_matrix():
+    t = EvalTotals(CPU)
+    assert t.reduce() == {"loss": 0.0, "top1": 0.0, "top5": 0.0, "images": 0}
+    assert t.confusion.shape == (0, 0) and t.confusion.dtype == torch.int64

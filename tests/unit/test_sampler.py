@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddp_cli.data.pipeline.loaders import EpochItems
-from ddp_cli.data.pipeline.sampler import ShardSampler, shard_order
+from ddp_cli.data.pipeline.sampler import ShardSampler, permutation, repeated, shard_order
 
 
 def samplers(n: int, world: int, shuffle: bool = True, batch: int = 1, repeats: int = 1,
@@ -246,3 +246,44 @@ def test_ranks_on_shards_see_the_batches_one_process_with_the_global_batch_sees(
 def test_a_split_without_shards_is_an_empty_order_of_indices():
     order = shard_order(np.array([0]), seed=0, epoch=0, window=3)
     assert order.dtype == torch.int64 and order.shape == (0,)
+
+
+def test_shard_order_depends_on_the_seed_as_well_as_the_epoch():
+    starts = np.arange(0, 101, 10)
+    orders = {tuple(shard_order(starts, seed, epoch, window=2).tolist())
+              for seed in (0, 1, 2) for epoch in (0, 1)}
+    assert len(orders) == 6
+
+
+def test_a_sampler_given_only_its_rank_deals_seed_0s_permutation_one_image_at_a_time():
+    """The defaults (seed 0, batch 1, no repeats, plain indices, epoch 0 and nothing skipped before any
+    set_epoch) are what the bench's samplers rely on."""
+    fresh = [ShardSampler(10, rank, 2, shuffle=True) for rank in range(2)]
+    expected = permutation(10, 0, 0).tolist()
+    assert [list(s) for s in fresh] == [expected[0::2], expected[1::2]]
+    assert [len(s) for s in fresh] == [5, 5]
+
+
+def test_a_packed_split_is_dealt_in_shard_order_a_shard_at_a_time_by_default():
+    one = ShardSampler(41, 0, 1, shuffle=True, seed=3, shards=STARTS)
+    one.set_epoch(2)
+    assert list(one) == shard_order(STARTS, 3, 2, window=1).tolist()
+    three = ShardSampler(41, 0, 1, shuffle=True, seed=3, shards=STARTS, window=3)
+    three.set_epoch(2)
+    assert list(three) == shard_order(STARTS, 3, 2, window=3).tolist()
+
+
+def test_set_epoch_without_a_layout_lays_copies_out_for_this_samplers_global_batch():
+    def items(**layout):
+        s = ShardSampler(24, 0, 2, shuffle=True, batch_size=4, repeats=2, with_epoch=True)
+        s.set_epoch(1, **layout)
+        return list(s)
+
+    assert items() == items(layout=8)
+    assert items() != items(layout=2)
+
+
+def test_a_global_batch_smaller_than_the_repeats_lays_each_images_copies_side_by_side():
+    """q = floor(k*b/m) images per group, at least one: with k*b = 3 < 2m, q = 1."""
+    rows = repeated(torch.arange(10, 16), repeats=3, chunk=3).tolist()
+    assert rows == [[10, 0], [10, 1], [10, 2], [11, 0], [11, 1], [11, 2]]

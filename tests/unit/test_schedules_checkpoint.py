@@ -12,7 +12,7 @@ from ddp_cli.config import ScheduleConfig
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.io import atomic_write
 from ddp_cli.train.checkpoint import load_checkpoint, save_checkpoint
-from ddp_cli.train.schedules import ONECYCLE_END, ONECYCLE_START, build_scheduler, lr_factor
+from ddp_cli.train.schedules import ONECYCLE_END, ONECYCLE_START, build_scheduler, held_at_zero, lr_factor
 
 SPE = 10  # steps per epoch
 TOTAL = 100
@@ -268,3 +268,24 @@ def test_load_missing_path_is_a_config_error(tmp_path):
     assert info.value.exit_code == 2
     with pytest.raises(ConfigError):
         load_checkpoint(tmp_path)  # a folder is not a checkpoint file
+
+
+def test_a_frozen_group_is_held_at_zero_for_its_frozen_epochs_then_follows_the_schedule():
+    w, v = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([{"params": [w]}, {"params": [v], "frozen_epochs": 2}], lr=1.0)
+    scheduler = build_scheduler(optimizer, ScheduleConfig(name="cosine"), steps_per_epoch=3, total_steps=12)
+    cosine = lr_factor(ScheduleConfig(name="cosine"), 3, 12)
+    seen = []
+    for _ in range(12):
+        seen.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    assert [a for a, _ in seen] == pytest.approx([cosine(s) for s in range(12)])
+    assert [b for _, b in seen] == pytest.approx([0.0] * 6 + [cosine(s) for s in range(6, 12)])
+
+
+def test_held_at_zero_with_no_steps_is_the_factor_itself():
+    f = lr_factor(ScheduleConfig(name="poly"), 3, 12)
+    assert held_at_zero(f, 0) is f
+    held = held_at_zero(f, 4)
+    assert [held(s) for s in range(6)] == [0.0, 0.0, 0.0, 0.0, f(4), f(5)]

@@ -1,0 +1,100 @@
+"""Atomic writes and safe loads (ddp_cli/io.py): a file is replaced whole or not at all; a load takes
+plain data only, and names the file it refuses."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from ddp_cli import io
+from ddp_cli.errors import DataError
+
+
+def test_atomic_write_creates_folders_and_returns_the_sha256_and_size(tmp_path):
+    path = tmp_path / "a" / "b" / "f.bin"
+    data = os.urandom(3000)
+    digest, size = io.atomic_write(path, lambda f: (f.write(data[:1000]), f.write(data[1000:])))
+    assert path.read_bytes() == data
+    assert (digest, size) == (hashlib.sha256(data).hexdigest(), 3000)
+    assert os.listdir(path.parent) == ["f.bin"]
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path):
+    path = tmp_path / "f.txt"
+    io.write_text(path, "old")
+
+    def half(f):
+        f.write(b"new, half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        io.atomic_write(path, half)
+    assert path.read_text() == "old"
+    assert os.listdir(tmp_path) == ["f.txt"]
+
+
+def test_write_text_replaces_the_file(tmp_path):
+    path = tmp_path / "f.txt"
+    io.write_text(path, "one")
+    io.write_text(path, "twö")
+    assert path.read_text(encoding="utf-8") == "twö"
+
+
+def test_sha256_of_reads_a_file_larger_than_a_block(tmp_path):
+    data = os.urandom((1 << 20) + 5)
+    (tmp_path / "f").write_bytes(data)
+    assert io.sha256_of(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+def test_load_plain_loads_tensors_and_containers(tmp_path):
+    torch.save({"format": io.CHECKPOINT_FORMAT, "w": torch.arange(3)}, tmp_path / "c.pt")
+    state = io.load_plain(tmp_path / "c.pt")
+    assert torch.equal(state["w"], torch.arange(3)) and io.is_checkpoint(state)
+
+
+class Executes:  # any class: weights_only refuses to build it
+    pass
+
+
+def test_load_plain_refuses_objects_and_names_the_file(tmp_path):
+    torch.save({"x": Executes()}, tmp_path / "evil.pt")
+    refused = r"evil\.pt: refused, it holds more than plain data \(weights_only load\): Weights only load"
+    with pytest.raises(DataError, match=refused):
+        io.load_plain(tmp_path / "evil.pt")
+
+
+@pytest.mark.parametrize(("content", "reason"),
+                         [(b"", r"\(EOFError\)"), (b"PK\x03\x04 not a zip", r"\(.+\)")],
+                         ids=["empty", "broken"])
+def test_a_truncated_or_broken_file_is_a_data_error_naming_it(tmp_path, content, reason):
+    """An empty file's error has no message: its class stands in (an IndexError before)."""
+    (tmp_path / "bad.pt").write_bytes(content)
+    with pytest.raises(DataError, match=r"bad\.pt: unreadable or truncated checkpoint " + reason + "$"):
+        io.load_plain(tmp_path / "bad.pt")
+
+
+def test_a_truncated_checkpoint_is_a_data_error(tmp_path):
+    torch.save({"w": torch.zeros(1000)}, tmp_path / "c.pt")
+    data = (tmp_path / "c.pt").read_bytes()
+    (tmp_path / "c.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match="unreadable or truncated"):
+        io.load_plain(tmp_path / "c.pt")
+
+
+@pytest.mark.parametrize(("state", "expected"), [({"format": io.CHECKPOINT_FORMAT}, True),
+                                                 ({"format": io.CHECKPOINT_FORMAT + 1}, False),
+                                                 ({}, False), ([("format", 1)], False)])
+def test_is_checkpoint_needs_a_dict_with_the_format_marker(state, expected):
+    assert io.is_checkpoint(state) is expected
+
+
+def test_the_temp_file_is_hidden_beside_the_target(tmp_path):
+    """Beside it: on the same file system, so the rename is atomic; hidden and marked .tmp, so a listing
+    of checkpoints never takes it for one."""
+    path = tmp_path / "f.bin"
+    seen = []
+    io.atomic_write(path, lambda f: seen.extend(os.listdir(tmp_path)))
+    assert len(seen) == 1 and seen[0].startswith(".f.bin.") and seen[0].endswith(".tmp")
