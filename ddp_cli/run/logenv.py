@@ -1,11 +1,15 @@
 """Log levels for ddp and torch, through the environment: light (no torch), so the CLI sets them
 before anything imports torch, and the launcher applies them to torch's loggers.
 
-torch's warnings (c10d's from C++: a gloo socket bound to loopback, a store
-retried; the elastic agent's from Python) help on a first GPU run and show by
-default; its info chatter only with -v. What never shows without -v is the
-agent's own echo of a worker failure (a traceback of its wait, "Closing
-process ..."): ddp reports the failure once, in one line, with its cause.
+torch's Python warnings (the elastic agent's, torch.distributed's) help on a
+first GPU run and show by default; its info chatter only with -v. c10d's C++
+log stays at FATAL without -v: at WARNING it also prints its ERROR lines, each
+with a C++ stack dump, for failures ddp reports itself in one line (a
+rendezvous that cannot connect); the C++ warning worth having, a gloo socket
+bound to a loopback host name, preflight prints itself
+(`network.warn_loopback_host`). What never shows without -v is the agent's
+own echo of a worker failure (a traceback of its wait, "Closing process ..."):
+ddp reports the failure once, in one line, with its cause.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 # ($LOGLEVEL, read as they are created) and c10d's C++ ($TORCH_CPP_LOG_LEVEL), for this process and
 # the workers; the CLI sets them (`clikit.configure_logging`)
 LOG_ENV = {"DDP_LOG_LEVEL": ("INFO", "DEBUG"), "LOGLEVEL": ("WARNING", "DEBUG"),
-           "TORCH_CPP_LOG_LEVEL": ("WARNING", "INFO")}
+           "TORCH_CPP_LOG_LEVEL": ("FATAL", "INFO")}
 TORCH_LOGGERS = ("torch.distributed", "torch.multiprocessing")  # the agent; its forked workers' context
 
 

@@ -111,7 +111,7 @@ def as_written_at(version: int, path: str, folder: str) -> str:
     return str(old)
 
 
-@pytest.mark.parametrize("version", [0, 1, 2])
+@pytest.mark.parametrize("version", [0])  # 0 migrates through every step (each: test_checkpoint_format)
 def test_checkpoints_of_earlier_formats_resume_at_another_world_size(checkpoint, version):
     path, folder = checkpoint
     out = run_workers(resume, 1, as_written_at(version, path, folder), folder, "rescale")[0]
