@@ -29,6 +29,7 @@ from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, Da
 from ddp_cli.run.jobs import clear_errors, first_error
 from ddp_cli.run.logenv import quiet_torch_logs
 from ddp_cli.run.logs import RankLogs
+from ddp_cli.run.nccl_abort import read_abort
 from ddp_cli.run.network import gloo_environment
 from ddp_cli.run.worker import LAUNCHED, forked
 
@@ -189,6 +190,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
     The options were checked by preflight (`check_rendezvous`, `choose_backend`).
     """
     hosts = opts.node_rank == 0  # node 0 hosts the rendezvous store; the others connect to it
+    logs = RankLogs(job_dir / "logs", sys.stderr.isatty())  # `validate`: a temporary folder
     config = LaunchConfig(
         min_nodes=opts.min_nodes or opts.nnodes,
         max_nodes=opts.nnodes,
@@ -202,7 +204,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         monitor_interval=0.1,
         shutdown_timeout=cfg.stop_grace_s,
         start_method=worker_start(),
-        logs_specs=RankLogs(job_dir / "logs", sys.stderr.isatty()),  # `validate`: a temporary folder
+        logs_specs=logs,
         # torch starts each teed line with the template, rendered per worker; with an empty role it
         # renders empty, so the console reads as it would without the files
         role="",
@@ -219,7 +221,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
             elastic_launch(config, sys.executable)("-m", "ddp_cli.run.worker", str(job_dir))
         return config.start_method
     except ChildFailedError as e:
-        raise failure(job_dir, e) from None
+        raise failure(job_dir, e, logs.stderr_files) from None
     except SignalException as e:  # the agent has already passed the signal on to the workers
         code = SIGINT if e.sigval == signal.SIGINT else SIGTERM
         stopped = first_error(job_dir)  # the workers' own account: where their checkpoint is
@@ -243,12 +245,14 @@ def rendezvous_failure(err: RendezvousError, endpoint: str | None, hosts: bool,
                      f"({type(err).__name__}); is every node up and the address reachable from here?")
 
 
-def failure(job_dir: Path, err: ChildFailedError) -> WorkerFailed:
+def failure(job_dir: Path, err: ChildFailedError, stderr_files: dict[int, Path]) -> WorkerFailed:
     """The original failure: an error a worker recorded, else a worker killed by a signal.
 
     Ranks that merely lost a peer record that too, but a death by signal (OOM
-    killer, kill -9, segfault) explains their failure, so it comes first.
-    SIGTERM is the agent's own way of closing the survivors and explains nothing.
+    killer, kill -9, segfault, NCCL's watchdog) explains their failure, so it
+    comes first. SIGTERM is the agent's own way of closing the survivors and
+    explains nothing. A SIGABRT is told apart by the rank's log (`stderr_files`
+    by global rank): NCCL's watchdog says there why it took the rank down.
     """
     recorded = first_error(job_dir)
     if recorded and recorded["original"]:
@@ -257,6 +261,10 @@ def failure(job_dir: Path, err: ChildFailedError) -> WorkerFailed:
             if proc.exitcode < 0 and proc.exitcode != -signal.SIGTERM]
     if died:
         rank, proc = min(died, key=lambda kv: kv[1].timestamp)
+        log = stderr_files.get(rank)
+        nccl = read_abort(log) if log and proc.exitcode == -signal.SIGABRT else None
+        if nccl:
+            return WorkerFailed(nccl.message(rank, log), nccl.exit_code)
         return WorkerFailed(f"worker rank {rank} was killed by {proc.signal_name()} (the out-of-memory "
                             "killer? see dmesg)", PEER_LOST)
     if recorded:

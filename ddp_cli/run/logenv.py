@@ -10,6 +10,10 @@ bound to a loopback host name, preflight prints itself
 (`network.warn_loopback_host`). What never shows without -v is the agent's
 own echo of a worker failure (a traceback of its wait, "Closing process ..."):
 ddp reports the failure once, in one line, with its cause.
+
+NCCL's own log stays at WARN ($NCCL_DEBUG; NCCL prints nothing unset): its WARN lines are the
+reason for a failed collective, which ddp reads back from the rank's log when NCCL's watchdog has
+taken the rank down (`run.nccl_abort`); with -v, NCCL's INFO (interfaces, transports) too.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ import logging
 import os
 
 # (default, with -v) of ddp's level ($DDP_LOG_LEVEL), torch.distributed.elastic's Python loggers'
-# ($LOGLEVEL, read as they are created) and c10d's C++ ($TORCH_CPP_LOG_LEVEL), for this process and
-# the workers; the CLI sets them (`clikit.configure_logging`)
+# ($LOGLEVEL, read as they are created), c10d's C++ ($TORCH_CPP_LOG_LEVEL) and NCCL's ($NCCL_DEBUG),
+# for this process and the workers; the CLI sets them (`clikit.configure_logging`)
 LOG_ENV = {"DDP_LOG_LEVEL": ("INFO", "DEBUG"), "LOGLEVEL": ("WARNING", "DEBUG"),
-           "TORCH_CPP_LOG_LEVEL": ("FATAL", "INFO")}
+           "TORCH_CPP_LOG_LEVEL": ("FATAL", "INFO"), "NCCL_DEBUG": ("WARN", "INFO")}
 TORCH_LOGGERS = ("torch.distributed", "torch.multiprocessing")  # the agent; its forked workers' context
 
 

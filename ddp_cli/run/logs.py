@@ -25,6 +25,7 @@ class RankLogs(LogsSpecs):
     def __init__(self, folder: Path, live_console: bool = False) -> None:
         super().__init__(log_dir=str(folder), tee=Std.ALL)
         self.folder, self.live_console = folder, live_console
+        self.stderr_files: dict[int, Path] = {}  # by global rank, of the latest start (not the console)
 
     @property
     def root_log_dir(self) -> str:
@@ -46,6 +47,7 @@ class RankLogs(LogsSpecs):
                 dest.stderrs[local_rank] = ""  # the terminal itself: rank 0's live progress
             else:
                 dest.stderrs[local_rank] = dest.tee_stderrs[local_rank] = str(stderr)
+                self.stderr_files[int(env["RANK"])] = stderr
             dest.error_files[local_rank] = str(error)  # torch's own record of an uncaught exception
             env["TORCHELASTIC_ERROR_FILE"] = str(error)
         return dest
