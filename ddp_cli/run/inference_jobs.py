@@ -63,9 +63,9 @@ def write_validation_files(job: Job, totals: EvalTotals, entry: DatasetEntry, in
 
 
 def predict_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry, index: IndexTable,
-                job: Job) -> dict[str, Any]:
-    """Top-k answers for every input (its error for a bad one); each node's first rank writes them all
-    to `predictions.jsonl` in the job folder, in input order."""
+                job: Job, writes: bool) -> dict[str, Any]:
+    """Top-k answers for every input (its error for a bad one); the job folder's writers (each node's
+    first rank, `run.writers`) write them all to `predictions.jsonl` there, in input order."""
     model, precision = inference_setup(cfg, ctx, job)
     fs, root = entry.open()
     split = index.splits["val"]
@@ -73,7 +73,7 @@ def predict_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEn
                          pin_memory=ctx.device.type == "cuda", on_bad_image="report",
                          interpolation=cfg.augment.interpolation)
     rows = predict(model, loader, ctx.device, precision, cfg.model.channels_last, job.topk[0])
-    if ctx.local_rank == 0:
+    if writes:
         prefix = entry.storage.path.rstrip("/")
         lines = [json.dumps(answer(f"{prefix}/{split.paths[position]}", int(split.labels[position]), error,
                                    top, probs, index)) for position, error, top, probs in rows]

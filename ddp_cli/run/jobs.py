@@ -4,7 +4,8 @@ For `train` it is the run directory itself (config.toml, metrics.jsonl,
 checkpoints/); for `validate` and `predict` a temporary folder (`predict` gets
 its answers back in `predictions.jsonl`). The launcher writes the
 resolved config, the registry entry, the index tables (built once per run, not
-once per rank) and `job.json`; rank 0 writes `result.json`; a failing rank
+once per rank) and `job.json`; rank 0 writes `result.json` (and a copy on each node whose folder is not
+rank 0's: `run.writers`); a failing rank
 writes `errors/rank<N>.json` so the launcher can name the original failure.
 """
 

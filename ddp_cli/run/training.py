@@ -62,7 +62,8 @@ def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
 
     After an elastic restart always the newest valid checkpoint of the run
     (that is the point of restarting); otherwise as --resume says. Rank 0
-    decides; others open the same file name in their own node's run dir.
+    decides; others open the same file name in their own node's run dir (shared or a copy,
+    `run.writers`).
     """
     choice: list[str | None] = [None]
     if ctx.rank == 0:
@@ -80,9 +81,10 @@ def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
 
 
 def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
-                  index: IndexTable, job: Job, startup: StartupClock) -> Trainer:
+                  index: IndexTable, job: Job, startup: StartupClock, writes: bool) -> Trainer:
     """The worker's Trainer: an identical model on every rank, this rank's loaders, and what ties
-    the run to its process (stop signals, checkpoints in the run dir, metrics on rank 0)."""
+    the run to its process (stop signals, checkpoints in the run dir if this rank `writes` them,
+    `run.writers`; metrics on rank 0)."""
     seed_everything(cfg.seed, cfg.deterministic)
     model = build_model(cfg.model, len(index.classes), cfg.data.image_size)  # same seed: same weights
     if cfg.model.weights:
@@ -96,10 +98,13 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
     meta = {"config": cfg.model_dump(mode="json"), "dataset": entry.model_dump(mode="json"),
             "classes": index.classes, "descriptions": index.descriptions}
     checkpointer = Checkpointer(CheckpointStore(folder / "checkpoints", cfg.checkpoint.keep_last),
-                                writes=ctx.local_rank == 0, every_steps=cfg.checkpoint.every_steps,
+                                writes=writes, every_steps=cfg.checkpoint.every_steps,
                                 stop=StopRequest(control_group(ctx.backend)), meta=meta,
                                 background=cfg.checkpoint.background,
                                 stop_every=cfg.distributed.stop_check_steps)
+    if checkpointer.writes and not ctx.is_main:
+        log.info(f"rank {ctx.rank}: the run dir here is not rank 0's (not shared): this node keeps its own "
+                 f"copy of the checkpoints in {folder / 'checkpoints'}")
     metrics = build_sinks(cfg.logging, folder, cfg.model_dump(mode="json")) if ctx.is_main else None
     console = RunConsole(ctx.is_main and not job.quiet, cfg.logging.every_steps)
     trainer = Trainer(cfg, ctx, model, loaders, count_steps(len(loaders.train), cfg.train),
@@ -114,8 +119,8 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
 
 
 def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
-              index: IndexTable, job: Job, startup: StartupClock) -> dict[str, Any]:
-    trainer = build_trainer(cfg, ctx, folder, entry, index, job, startup)
+              index: IndexTable, job: Job, startup: StartupClock, writes: bool) -> dict[str, Any]:
+    trainer = build_trainer(cfg, ctx, folder, entry, index, job, startup, writes)
     checkpoint = resume_point(job, folder, ctx)
     if checkpoint:
         trainer.resume(checkpoint)

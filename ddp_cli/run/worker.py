@@ -18,6 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
+import torch.distributed as dist
+
 from ddp_cli.distributed.heartbeat import Heartbeat, describe_loss
 from ddp_cli.distributed.peer_loss import lost_a_peer
 from ddp_cli.distributed.setup import setup, teardown
@@ -27,6 +29,7 @@ from ddp_cli.observe.startup import StartupClock
 from ddp_cli.run.inference_jobs import predict_job, validate_job
 from ddp_cli.run.jobs import read_job, record_error, write_result
 from ddp_cli.run.training import train_job
+from ddp_cli.run.writers import writes_folder
 
 log = logging.getLogger("ddp")
 LAUNCHED = "DDP_LAUNCHED"  # set by our launcher for its workers
@@ -51,14 +54,16 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
         ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
         pulse = Heartbeat.start(ctx)
         startup.mark("process_group")
+        writes = writes_folder(folder, ctx)
         if job.mode == "train":
-            result = train_job(cfg, ctx, folder, entry, index, job, startup)
+            result = train_job(cfg, ctx, folder, entry, index, job, startup, writes)
         elif job.mode == "predict":
-            result = predict_job(cfg, ctx, folder, entry, index, job)
+            result = predict_job(cfg, ctx, folder, entry, index, job, writes)
         else:
             result = validate_job(cfg, ctx, entry, index, job)
-        if ctx.local_rank == 0:  # every node's launcher reports (results are reduced, the same)
+        if writes:  # every node's launcher reports it (results are reduced, the same)
             write_result(folder, result)
+        dist.barrier()  # a node that reads rank 0's copy, once it is there
         return 0
     except DdpError as e:
         return fail(folder, rank, e.exit_code, str(e), original=True)

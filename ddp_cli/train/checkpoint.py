@@ -258,7 +258,8 @@ class Checkpointer:
     steps and at every save due anyway); the loop makes its state ready
     and calls `save()`, then `end_if_stopping()` ends the run on that signal
     (exit 143/130). Every rank takes part (RNG states are gathered); ranks with
-    `writes` (each node's first) write, so any node can resume.
+    `writes` write: rank 0, and each node's first where the run dir is not
+    shared (`run.writers`), so any node can resume.
     """
 
     def __init__(self, store: CheckpointStore | None, writes: bool = True, every_steps: int = 0,

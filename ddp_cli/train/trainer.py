@@ -256,9 +256,10 @@ class Trainer:
         return self.checkpointer.save(top1)
 
     def settle(self) -> None:
-        """Before any checkpoint: never diverged weights, and a state every writer saves alike (each
-        node's first worker writes a copy): BatchNorm statistics are rank 0's, as DDP's broadcast at the
-        next forward would make them anyway, and the running loss is every rank's own."""
+        """Before any checkpoint: never diverged weights, and a state every writer saves alike (a node
+        whose run dir is not shared writes a copy of its own): BatchNorm statistics are rank 0's, as
+        DDP's broadcast at the next forward would make them anyway, and the running loss is every
+        rank's own."""
         self.check_finite()
         for buffer in self.model.module.buffers():
             dist.broadcast(buffer, src=0)

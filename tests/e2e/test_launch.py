@@ -75,6 +75,9 @@ def test_two_launchers_on_loopback_form_one_world(demo_registry, tmp_path):
         logs = tmp_path / f"node{rank}" / "logs"
         assert sorted(p.name for p in logs.iterdir()) == [f"rank{rank}.stderr.log", f"rank{rank}.stdout.log"]
         assert f"[rank{rank}]:" in (logs / f"rank{rank}.stderr.log").read_text()
+    own = tmp_path / "node1"  # a run dir of node 1's own (not shared): it keeps its own copy to resume from
+    assert "keeps its own copy of the checkpoints" in (own / "logs" / "rank1.stderr.log").read_text()
+    assert (own / "checkpoints" / "last.pt").is_file() and (own / "result.json").is_file()
     for node in results:
         assert node["world_size"] == 2
         assert node["final"]["images"] == 359

@@ -137,6 +137,9 @@ def test_a_lost_rank_stops_a_fixed_job_with_code_5_and_its_command_resumes_it_ex
                for rank in (0, 1)])
     resumed, reference = weights(run_dir), weights(reference_dir)
     assert all(torch.equal(resumed[k], reference[k]) for k in reference), "resumed run differs"
+    # one run dir for both nodes: rank 0 alone wrote it, nothing half-written or left behind
+    assert "keeps its own copy" not in (reference_dir / "logs" / "rank1.stderr.log").read_text()
+    assert not [p.name for p in reference_dir.rglob(".*")]
 
 
 def test_a_hung_node_stops_a_fixed_job_with_code_5_within_the_timeout(tmp_path):
