@@ -66,10 +66,13 @@ class Heartbeat:
 
 def describe_loss(error: BaseException, silent: list[int] | None, ctx: DistContext,
                   timeout_s: int) -> str:
-    """One line: which rank (and node) was lost or hung, and how we know."""
+    """One line: which rank (and node) was lost or hung, and how we know (NCCL's words, when NCCL
+    raised it: a DistBackendError)."""
     hung = "timed out" in str(error).lower() or "timeout" in str(error).lower()
     how = (f"stopped answering (a collective timed out after distributed.timeout_s = {timeout_s} s)"
            if hung else "was lost (its connection closed: the process or its node is gone)")
+    if isinstance(error, dist.DistBackendError) and str(error).strip():
+        how += f" (NCCL: {str(error).strip().splitlines()[0]})"
     if silent is None:
         return f"node 0 (rank 0's node, host of the job's store) {how}; rank {ctx.rank} saw it"
     if not silent:

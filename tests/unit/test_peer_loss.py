@@ -62,6 +62,16 @@ def test_a_timeout_is_a_hang_and_a_closed_connection_a_loss_naming_rank_and_node
     assert host.startswith("node 0 (rank 0's node, host of the job's store) was lost")
 
 
+def test_an_error_nccl_raised_is_described_in_nccls_words():
+    said = "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, remote process exited " \
+        "or there was a network error, NCCL version 2.27.5"
+    error = dist.DistBackendError(f"{said}\nncclRemoteError: A call failed possibly due to a network error "
+                                  "or a remote process exiting prematurely.\nLast error:\n...")
+    line = describe_loss(error, [3], CTX, 10)
+    assert "rank 3 (node 1) was lost (its connection closed" in line and "\n" not in line
+    assert f"(NCCL: {said}); rank 0 saw it" in line
+
+
 @pytest.mark.parametrize("text", ["Connection closed by peer [10.0.0.2]:5000",
                                   "[gloo] Timed out waiting 30000ms for recv operation to complete",
                                   "Application timeout caused pair closure"])
