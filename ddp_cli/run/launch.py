@@ -245,6 +245,12 @@ def rendezvous_failure(err: RendezvousError, endpoint: str | None, hosts: bool,
                      f"({type(err).__name__}); is every node up and the address reachable from here?")
 
 
+# What a death by each signal most likely means; a worker's own log (logs/rank<N>.stderr.log) says more.
+CRASHED = "a crash in native code: see its log"
+SIGNAL_HINTS = {signal.SIGKILL: "the out-of-memory killer? see dmesg",
+                signal.SIGABRT: "an abort in native code (torch, a CUDA library): see its log"}
+
+
 def failure(job_dir: Path, err: ChildFailedError, stderr_files: dict[int, Path]) -> WorkerFailed:
     """The original failure: an error a worker recorded, else a worker killed by a signal.
 
@@ -265,8 +271,8 @@ def failure(job_dir: Path, err: ChildFailedError, stderr_files: dict[int, Path])
         nccl = read_abort(log) if log and proc.exitcode == -signal.SIGABRT else None
         if nccl:
             return WorkerFailed(nccl.message(rank, log), nccl.exit_code)
-        return WorkerFailed(f"worker rank {rank} was killed by {proc.signal_name()} (the out-of-memory "
-                            "killer? see dmesg)", PEER_LOST)
+        return WorkerFailed(f"worker rank {rank} was killed by {proc.signal_name()} "
+                            f"({SIGNAL_HINTS.get(-proc.exitcode, CRASHED)})", PEER_LOST)
     if recorded:
         return WorkerFailed(recorded["message"], recorded["exit_code"])
     rank, proc = min(err.failures.items(), key=lambda kv: kv[1].timestamp)

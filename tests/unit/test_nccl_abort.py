@@ -96,8 +96,11 @@ def test_a_rank_nccls_watchdog_aborted_is_reported_with_nccls_reason(tmp_path, l
     (None, signal.SIGABRT, 0),  # rank 0's stderr on a terminal: no log to read
 ], ids=["plain-abort", "kill", "no-log"])
 def test_other_deaths_by_signal_are_reported_as_before(tmp_path, log, sig, rank):
+    """Only a SIGKILL suggests the out-of-memory killer (it sends nothing else); an abort is native code's."""
     error = died(tmp_path, log, sig, rank)
-    assert str(error) == f"worker rank {rank} was killed by {sig.name} (the out-of-memory killer? see dmesg)"
+    hint = ("the out-of-memory killer? see dmesg" if sig == signal.SIGKILL
+            else "an abort in native code (torch, a CUDA library): see its log")
+    assert str(error) == f"worker rank {rank} was killed by {sig.name} ({hint})"
     assert error.exit_code == PEER_LOST
 
 
