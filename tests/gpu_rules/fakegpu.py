@@ -5,7 +5,7 @@ What plays what:
 - torch's `FakeTensorMode` makes the `cuda` tensors: shapes, dtypes and devices, no data. It raises
   where a GPU run would compute with tensors on two devices (a CPU tensor into a CUDA op), and on
   reading a value to the host (`.item()`, `.tolist()`, `bool()`, data-dependent shapes) unless
-  `host_reads()` sanctions it (then a read gives 0, or 1.0 for a float, and is recorded).
+  `host_reads()` sanctions it (then a read gives 0, True for a bool, and is recorded).
 - torch's fake process group (`FakeStore`, backend "fake") gives the world its rank and size.
 - `CollectiveRules` replaces torch.distributed's collectives with checks of what NCCL accepts: on the
   NCCL (default) group only dense, contiguous tensors on the rank's own device, reduce ops NCCL has,
@@ -77,7 +77,7 @@ class GpuFakeMode(FakeTensorMode):
         if self.world.reads_allowed:
             if func is torch.ops.aten._local_scalar_dense.default:
                 self.world.reads.append(f"item of a {args[0].dtype} on {args[0].device}")
-                return True if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 0
+                return True if args[0].dtype == torch.bool else 0.0 if args[0].is_floating_point() else 0
             if func is torch.ops.aten.equal.default:
                 self.world.reads.append("torch.equal")
                 return True
@@ -465,7 +465,7 @@ class FakeGpuWorld:
     @contextlib.contextmanager
     def host_reads(self) -> Iterator[list[str]]:
         """Sanctioned host reads (a logging window's loss, a checkpoint, a validation's totals): allowed and
-        recorded; a value read is 1.0 for a float, True for a bool, else 0; torch.equal is True; a
+        recorded; a value read is 0 (GradScaler finds no inf), True for a bool; torch.equal is True; a
         boolean mask all True. Code computing with such values (a per-class table) is not run here."""
         before, self.reads_allowed = self.reads_allowed, True
         try:
