@@ -418,18 +418,11 @@ def host_side(load: Any) -> Any:
     return real_load
 
 
-@contextlib.contextmanager
-def gpu_tagged(state: Any) -> Iterator[None]:
-    """While saving `state`: its (real, CPU) tensors are written as a GPU run writes them, tagged
-    cuda:3 in the file; loading such a file without map_location="cpu" tries to put them back there."""
-    storages = {t.untyped_storage().data_ptr() for t in tensors_in(state)}
-    entry = (0, lambda storage: f"cuda:{RANK}" if storage.data_ptr() in storages else None,
-             lambda obj, location: None)
-    torch.serialization._package_registry.insert(0, entry)
-    try:
-        yield
-    finally:
-        torch.serialization._package_registry.remove(entry)
+def restore_location(storage: Any, location: str) -> None:
+    """torch.load's deserializer for a location: a tensor saved on a GPU is not put back there."""
+    if location.startswith("cuda"):
+        raise GpuRuleError(f"a checkpoint's tensor put back on {location}, where it was saved: load with "
+                           "map_location=\"cpu\" (that GPU may not exist on this node)")
 
 
 class FakeGpuWorld:
@@ -439,6 +432,7 @@ class FakeGpuWorld:
         self.monkeypatch, self.reads, self.reads_allowed = monkeypatch, [], False
         self.cuda, self.collectives = CudaRecorder(), CollectiveRules(self)
         self.mode = GpuFakeMode(self)
+        self.gpu_storages: set[int] = set()
 
     def __enter__(self) -> FakeGpuWorld:
         patch = self.monkeypatch.setattr
@@ -455,6 +449,8 @@ class FakeGpuWorld:
         patch(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)  # restored on exit
         patch("ddp_cli.distributed.reduce.DistributedDataParallel", BucketDDP)
         patch(torch, "load", host_side(torch.load))
+        packages = torch.serialization._package_registry  # files written as on a GPU (`written_on_gpu`)
+        patch(torch.serialization, "_package_registry", [(0, self.location, restore_location), *packages])
         self.mode.__enter__()
         return self
 
@@ -472,6 +468,13 @@ class FakeGpuWorld:
             yield self.reads
         finally:
             self.reads_allowed = before
+
+    def written_on_gpu(self, state: Any) -> None:
+        """`state`'s (real, CPU) tensors are saved as a GPU run saves them: tagged cuda:3 in the file."""
+        self.gpu_storages.update(t.untyped_storage().data_ptr() for t in tensors_in(state))
+
+    def location(self, storage: Any) -> str | None:
+        return f"cuda:{RANK}" if storage.data_ptr() in self.gpu_storages else None
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """Tensor.pin_memory: a copy, remembered as pinned (pinning needs a driver)."""

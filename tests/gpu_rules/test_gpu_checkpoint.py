@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fakegpu import DEVICE, RANK, WORLD, gpu_tagged
+from fakegpu import DEVICE, RANK, WORLD
 from gpu_parts import gpu_config, gpu_trainer, micro_batches
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
@@ -66,7 +66,8 @@ def test_a_checkpoint_saves_and_restores_on_the_gpu_with_its_own_gpus_rng(gpu, t
 
     real = made_real(saved)
     real["rng"][RANK]["cuda"] = torch.full((16,), 99, dtype=torch.uint8)  # to see it restored
-    with unset_fake_temporarily(), gpu_tagged(real):
+    gpu.written_on_gpu(real)
+    with unset_fake_temporarily():
         save_checkpoint(real, tmp_path / "step.pt")
     gpu.cuda.calls.clear()
     resumed = gpu_trainer(cfg, Checkpointer(KeptStore()))

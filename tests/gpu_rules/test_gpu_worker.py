@@ -9,7 +9,7 @@ import signal
 from types import SimpleNamespace
 
 import pytest
-from fakegpu import DEVICE, RANK, WORLD, gpu_tagged
+from fakegpu import DEVICE, RANK, WORLD
 from gpu_parts import gpu_config, tiny_loaders, tiny_net
 from replicas import CLASSES
 
@@ -70,12 +70,12 @@ def test_a_training_job_runs_its_epoch_on_the_gpu(gpu, worker_env, monkeypatch, 
     assert ("get_rng_state", RANK) in gpu.cuda.calls
 
 
-def checkpoint_from_a_gpu(path) -> None:
+def checkpoint_from_a_gpu(gpu, path) -> None:
     """A checkpoint of tiny_net as a GPU run writes one (tensors tagged cuda:3 in the file)."""
     state = {"model": tiny_net().state_dict(), "config": gpu_config().model_dump(mode="json"),
              "classes": CLASS_NAMES, "descriptions": CLASS_NAMES, "dataset": {}}
-    with gpu_tagged(state):
-        save_checkpoint(state, path)
+    gpu.written_on_gpu(state)
+    save_checkpoint(state, path)
 
 
 def test_validate_and_predict_run_a_gpu_checkpoint_on_the_gpu(gpu, monkeypatch, tmp_path):
@@ -84,7 +84,7 @@ def test_validate_and_predict_run_a_gpu_checkpoint_on_the_gpu(gpu, monkeypatch, 
     monkeypatch.setattr(inference_jobs, "eval_loader", lambda *args, pin_memory, **kwargs:
                         loaders_recording(pins)(pin_memory=pin_memory).val)
     monkeypatch.setattr("ddp_cli.train.checkpoint_model.build_model", lambda *args: tiny_net())
-    checkpoint_from_a_gpu(tmp_path / "gpu.pt")
+    checkpoint_from_a_gpu(gpu, tmp_path / "gpu.pt")
     cfg, ctx = gpu_config(), DistContext(RANK, WORLD, RANK, WORLD, choose_device("nccl", RANK), "nccl")
     with gpu.host_reads():
         validated = inference_jobs.validate_job(cfg, ctx, ENTRY, INDEX, Job(
