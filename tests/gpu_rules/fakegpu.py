@@ -23,12 +23,21 @@ What plays what:
 - `fake_backward`: the autograd engine on fake CUDA tensors needs a CUDA driver, so backward walks
   the graph from the loss to the leaf parameters it reaches, and gives each a gradient of its own
   dtype on its own device, accumulating as autograd does, then runs their post-accumulate hooks.
+- Host work runs for real: an op with no fake tensor in and no CUDA device asked for (a sampler's
+  permutation, seeding, a model built on the CPU, a DataLoader's collate; `pin_memory` is a marked
+  copy, and a `non_blocking` copy to the GPU must come from one), and `torch.load` reads its file
+  for real. Files holding fake tensors cannot be written: a test writes a real copy of a state,
+  its tensors tagged cuda:3 as a GPU run writes them (`written_on_gpu`), and loading such a tensor
+  anywhere but the CPU (no map_location="cpu") is refused.
 
 What this proves: every device placement, transfer, collective and torch.cuda call the code makes on
 the GPU path is one a GPU run with NCCL accepts, and the step reads nothing back to the host. What it
-cannot: numerics (no values exist), kernels and their speed, backward's own kernels, NCCL's real
-behaviour (hangs, timeouts, ordering across ranks), DDP's C++ reducer itself, pinned memory's real
-effect, and anything under torch.compile. tests/cuda and `make gpu-check` cover those on a GPU.
+cannot: numerics (no values exist; a sanctioned read gives a placeholder, so code that computes with
+what it read is exercised, not checked), kernels and their speed, backward's own kernels, NCCL's real
+behaviour (hangs, timeouts, ordering across ranks, one rank only is played), DDP's C++ reducer
+itself (its bucket order and sizes are approximated), pinned memory's real effect, loader processes
+(the tests load in-process), torch.compile, and a real file written from GPU memory. tests/cuda and
+`make gpu-check` cover those on a GPU.
 """
 
 from __future__ import annotations
