@@ -96,12 +96,31 @@ class GpuFakeMode(FakeTensorMode):
                 return super().dispatch(torch.ops.aten.clone.default, types, (args[0],), {})
         if func is torch.ops.aten._to_copy.default:
             self.world.check_transfer(args[0], kwargs)
+        if func in CUDA_ONLY:
+            return CUDA_ONLY[func](lambda *a, **k: super(GpuFakeMode, self).dispatch(*a, **k), types, *args)
         out = super().dispatch(func, types, args, kwargs)
         for tensor in out if isinstance(out, list | tuple) else [out]:
             if isinstance(tensor, FakeTensor) and tensor.device.type == "cuda" and tensor.device != DEVICE:
                 raise GpuRuleError(f"{func}: a tensor on {tensor.device}; this rank's GPU is {DEVICE} "
                                    f"(current device {self.world.cuda.current})")
         return out
+
+
+def stats(dispatch, types, like: torch.Tensor, channels: int, dtype: torch.dtype) -> tuple:
+    """(mean, invstd) of `channels` on `like`'s device, as SyncBatchNorm's CUDA kernels return them."""
+    new = torch.ops.aten.new_empty.default
+    return tuple(dispatch(new, types, (like, [channels]), {"dtype": dtype}) for _ in range(2))
+
+
+# SyncBatchNorm's CUDA-only kernels, which have no fake implementation in torch: their outputs' shapes
+CUDA_ONLY = {
+    torch.ops.aten.batch_norm_stats.default:
+        lambda dispatch, types, x, eps: stats(dispatch, types, x, x.shape[1], torch.float32),
+    torch.ops.aten.batch_norm_gather_stats_with_counts.default:
+        lambda dispatch, types, x, mean, *rest: stats(dispatch, types, x, mean.shape[-1], mean.dtype),
+    torch.ops.aten.batch_norm_elemt.default:
+        lambda dispatch, types, x, *rest: dispatch(torch.ops.aten.empty_like.default, types, (x,), {}),
+}
 
 
 class CudaRecorder:
@@ -149,6 +168,7 @@ class CudaRecorder:
             "manual_seed_all": lambda seed: self.calls.append(("manual_seed_all", seed)),
             "synchronize": lambda device=None: self.own_device("synchronize", device),
             "is_bf16_supported": lambda including_emulation=True: True,
+            "is_current_stream_capturing": lambda: False,
         }
 
 
@@ -237,6 +257,8 @@ class CollectiveRules:
         output_tensor.copy_(input_tensor.repeat(WORLD, *([1] * (input_tensor.dim() - 1))))
         return Work([output_tensor]) if async_op else None
 
+    all_gather_single = all_gather_into_tensor  # SyncBatchNorm's name for it
+
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         self.check("reduce_scatter_tensor", group, [output, input], op)
         return Work([output]) if async_op else None
@@ -276,7 +298,8 @@ class CollectiveRules:
         return self.backend(group)
 
     def patches(self) -> dict[str, Any]:
-        names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+        names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                 "reduce_scatter",
                  "reduce_scatter_tensor", "barrier", "all_gather_object", "gather_object",
                  "broadcast_object_list", "new_group", "get_backend")
         return {name: getattr(self, name) for name in names}

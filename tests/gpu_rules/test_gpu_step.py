@@ -42,6 +42,26 @@ def test_a_step_with_accumulation_ema_and_clipping_stays_on_the_gpu_and_reads_no
     assert ("set_device", 3) in gpu.cuda.calls
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "lars", "lamb", "rmsprop"])
+def test_every_optimizer_steps_on_the_gpu_in_channels_last_and_reads_nothing(gpu, optimizer):
+    trainer = gpu_trainer(gpu_config(optim={"name": optimizer}, model={"channels_last": True}))
+    step(trainer, 2)
+    assert not on_the_gpu(t for s in trainer.optimizer.state.values() for t in s.values()
+                          if isinstance(t, torch.Tensor) and t.dim())
+    assert not gpu.reads
+
+
+def test_syncbatchnorm_gathers_its_statistics_on_the_gpu(gpu):
+    """torch's SyncBatchNorm reads which ranks saw images back to the host at every forward (three
+    boolean masks per layer, outside CUDA graph capture): allowed here, counted."""
+    trainer = gpu_trainer(gpu_config(model={"sync_batchnorm": True}))
+    with gpu.host_reads():
+        step(trainer)
+    gathered = [shapes for name, _, shapes in gpu.collectives.calls if name == "all_gather_into_tensor"]
+    assert gathered and all(device == "cuda:3" for shapes in gathered for device, _, _ in shapes)
+    assert gpu.reads == ["a boolean mask's count"] * 3
+
+
 @pytest.mark.xfail(strict=True, reason="fault 5 (issue 26): GradScaler.step reads found_inf to the host "
                    "every fp16 step (optimizer not fused)")
 def test_an_fp16_step_reads_nothing_back(gpu):
