@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from fakegpu import DEVICE, RANK, WORLD
 from gpu_parts import gpu_config, gpu_trainer, micro_batches
@@ -50,18 +51,22 @@ def devices(tensors) -> set[str]:
     return {str(t.device) for t in tensors if isinstance(t, torch.Tensor)}
 
 
-def test_a_checkpoint_saves_and_restores_on_the_gpu_with_its_own_gpus_rng(gpu, tmp_path):
+@pytest.mark.parametrize("background", [False, True])
+def test_a_checkpoint_saves_and_restores_on_the_gpu_with_its_own_gpus_rng(gpu, tmp_path, background):
+    """In the background (`checkpoint.background`), the state is copied to CPU memory before the writer
+    thread gets it; otherwise the GPU's tensors are written as they are."""
     cfg = gpu_config(train={"precision": "fp16", "ema_decay": 0.9})
     store = KeptStore()
-    trainer = gpu_trainer(cfg, Checkpointer(store))
+    trainer = gpu_trainer(cfg, Checkpointer(store, background=background))
     with gpu.host_reads():  # GradScaler's step and state, the running loss: reads a save makes anyway
         trainer.train_step(micro_batches(trainer))
         trainer.state.step = 1  # as train_epoch counts it
         trainer.save()
-    saved = store.state
-    assert devices(saved["model"].values()) == devices(saved["ema"]["module"].values()) == {str(DEVICE)}
-    assert devices(t for s in saved["optimizer"]["state"].values() for t in s.values()) == {str(DEVICE)}
-    assert len(saved["rng"]) == WORLD and saved["rng"][RANK]["cuda"] is gpu.cuda.rng[RANK]  # its own GPU's
+    trainer.checkpointer.close()
+    saved, kept = store.state, {"cpu" if background else str(DEVICE)}
+    assert devices(saved["model"].values()) == devices(saved["ema"]["module"].values()) == kept
+    assert devices(t for s in saved["optimizer"]["state"].values() for t in s.values()) == kept
+    assert len(saved["rng"]) == WORLD and torch.equal(saved["rng"][RANK]["cuda"], gpu.cuda.rng[RANK])
     assert ("get_rng_state", RANK) in gpu.cuda.calls
 
     real = made_real(saved)
