@@ -5,11 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from fakegpu import FakeGpuWorld
 
 
 @pytest.fixture
 def gpu(monkeypatch):
+    """The world; skipped where torch sees a real GPU: fake CUDA tensors rely on the no-op device guard
+    torch installs where there is none (with a real one, cuda:3 must exist), and tests/cuda runs there."""
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU is here: tests/cuda covers these paths on it")
     with FakeGpuWorld(monkeypatch) as world:
         yield world
 
