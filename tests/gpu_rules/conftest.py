@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakegpu import FakeGpuWorld
+
+from gpu_rules.fakegpu import FakeGpuWorld
 
 
 @pytest.fixture

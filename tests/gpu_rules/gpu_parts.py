@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from fakegpu import RANK, WORLD
 from replicas import CLASSES, make_config
 from torch import nn
 from torch.utils.data import Dataset
@@ -16,6 +15,7 @@ from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.distributed.setup import DistContext, choose_device, seed_everything
 from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.trainer import Trainer
+from gpu_rules.fakegpu import RANK, WORLD
 
 SIZE, IMAGES, BATCH = 8, 32, 2  # 32 images: 2 per rank and step, 2 steps an epoch; val: 4 per rank
 

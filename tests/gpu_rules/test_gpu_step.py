@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fakegpu import DEVICE
-from gpu_parts import gpu_config, gpu_trainer, micro_batches
+
+from gpu_rules.fakegpu import DEVICE
+from gpu_rules.gpu_parts import gpu_config, gpu_trainer, micro_batches
 
 
 def step(trainer, steps: int = 1) -> None:

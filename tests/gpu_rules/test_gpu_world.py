@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from fakegpu import DEVICE, GpuRuleError
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from ddp_cli.data.pipeline.transforms import to_model_input
 from ddp_cli.distributed.setup import choose_device
 from ddp_cli.distributed.signals import control_group
+from gpu_rules.fakegpu import DEVICE, GpuRuleError
 
 
 @pytest.fixture
