@@ -100,9 +100,8 @@ class GpuFakeMode(FakeTensorMode):
             return CUDA_ONLY[func](lambda *a, **k: super(GpuFakeMode, self).dispatch(*a, **k), types, *args)
         out = super().dispatch(func, types, args, kwargs)
         for tensor in out if isinstance(out, list | tuple) else [out]:
-            if isinstance(tensor, FakeTensor) and tensor.device.type == "cuda" and tensor.device != DEVICE:
-                raise GpuRuleError(f"{func}: a tensor on {tensor.device}; this rank's GPU is {DEVICE} "
-                                   f"(current device {self.world.cuda.current})")
+            if isinstance(tensor, FakeTensor) and tensor.device.type == "cuda":
+                self.world.cuda.check_placed(func, tensor.device)
         return out
 
 
@@ -130,9 +129,22 @@ class CudaRecorder:
         self.current, self.bound, self.calls = 0, False, []
         self.rng = {d: torch.full((16,), d, dtype=torch.uint8) for d in range(GPUS)}  # real CPU tensors
 
+    def index(self, device: Any) -> int:
+        """The device index `device` names (an int, "cuda:3", a torch.device), the current one if none."""
+        if isinstance(device, int):
+            return device
+        named = torch.device("cuda" if device is None else device)
+        return self.current if named.index is None else named.index
+
+    def check_placed(self, func: Any, device: torch.device) -> None:
+        """A CUDA tensor is made on the rank's own GPU, once it is bound: before `set_device`, the
+        libraries' handles and streams (and NCCL's communicator) go to cuda:0, from every rank."""
+        if device != DEVICE or not self.bound:
+            raise GpuRuleError(f"{func}: a tensor on {device} (current device {self.current}, set_device "
+                               f"called: {self.bound}); this rank's GPU is {DEVICE}, bound first")
+
     def own_device(self, call: str, device: Any) -> int:
-        index = self.current if device in (None, "cuda") else torch.device("cuda", device).index \
-            if isinstance(device, int) else torch.device(device).index
+        index = self.index(device)
         self.calls.append((call, index))
         if index != RANK or not self.bound:
             raise GpuRuleError(f"torch.cuda.{call} on cuda:{index} (set_device called: {self.bound}); "
@@ -140,7 +152,7 @@ class CudaRecorder:
         return index
 
     def set_device(self, device: Any) -> None:
-        self.current = device if isinstance(device, int) else torch.device(device).index
+        self.current = self.index(device)
         self.bound = True
         self.calls.append(("set_device", self.current))
 

@@ -30,15 +30,17 @@ def test_nccl_takes_contiguous_tensors_on_the_ranks_gpu_only(bound, make, rule):
 
 
 def test_a_tensor_on_another_gpu_is_refused_where_it_is_made(bound):
-    with pytest.raises(GpuRuleError, match="a tensor on cuda:0; this rank's GPU is cuda:3"):
+    with pytest.raises(GpuRuleError, match="a tensor on cuda:0 .*this rank's GPU is cuda:3"):
         torch.zeros(2, device="cuda:0")
 
 
-def test_a_bare_cuda_device_is_the_current_one_and_must_be_bound_first(gpu):
-    with pytest.raises(GpuRuleError, match="current device 0"):
-        torch.zeros(2, device="cuda")
+def test_the_ranks_gpu_is_bound_before_any_cuda_tensor_or_collective(gpu):
+    with pytest.raises(GpuRuleError, match="a tensor on cuda:3 .*set_device called: False"):
+        torch.zeros(2, device=DEVICE)
     with pytest.raises(GpuRuleError, match=r"before torch.cuda.set_device\(3\)"):
         dist.barrier()
+    choose_device("nccl", 3)
+    assert torch.zeros(2, device="cuda").device == DEVICE  # a bare "cuda" is the current device
 
 
 def test_nccl_has_no_bitwise_reductions(bound):
