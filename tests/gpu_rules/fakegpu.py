@@ -4,8 +4,9 @@ What plays what:
 
 - torch's `FakeTensorMode` makes the `cuda` tensors: shapes, dtypes and devices, no data. It raises
   where a GPU run would compute with tensors on two devices (a CPU tensor into a CUDA op), and on
-  reading a value to the host (`.item()`, `.tolist()`, `bool()`, data-dependent shapes) unless
-  `host_reads()` sanctions it (then a read gives 0, True for a bool, and is recorded).
+  reading a value to the host (`.item()`, `.tolist()`, `bool()`: a `GpuRuleError` naming it;
+  data-dependent shapes: torch's own) unless `host_reads()` sanctions it (then a read gives 0,
+  True for a bool, and is recorded).
 - torch's fake process group (`FakeStore`, backend "fake") gives the world its rank and size.
 - `CollectiveRules` replaces torch.distributed's collectives with checks of what NCCL accepts: on the
   NCCL (default) group only dense, contiguous tensors on the rank's own device, reduce ops NCCL has,
@@ -83,6 +84,9 @@ class GpuFakeMode(FakeTensorMode):
         if not any(isinstance(a, FakeTensor) for a in pytree.tree_leaves((args, kwargs))) and not (
                 device is not None and torch.device(device).type == "cuda"):
             return func(*args, **kwargs)  # host work (a sampler, seeding, a model built on CPU): real
+        if func is torch.ops.aten._local_scalar_dense.default and not self.world.reads_allowed:
+            raise GpuRuleError(f"a host read of a {args[0].dtype} tensor on {args[0].device} (.item(), "
+                               ".tolist(), bool(), float()): the host waits for the GPU here")
         if self.world.reads_allowed:
             if func is torch.ops.aten._local_scalar_dense.default:
                 self.world.reads.append(f"item of a {args[0].dtype} on {args[0].device}")
