@@ -16,8 +16,8 @@ def step(trainer, steps: int = 1) -> None:
         trainer.train_step(micro_batches(trainer))
 
 
-def on_the_gpu(tensors) -> list[str]:
-    """The tensors not on this rank's GPU (names or positions)."""
+def off_the_gpu(tensors) -> list[str]:
+    """The devices of those of `tensors` not on this rank's GPU."""
     return [str(t.device) for t in tensors if t.device != DEVICE]
 
 
@@ -25,17 +25,21 @@ def gradient_reductions(gpu) -> list[tuple[str, list]]:
     return [(backend, shapes) for name, backend, shapes in gpu.collectives.calls if name == "all_reduce"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_step_with_accumulation_ema_and_clipping_stays_on_the_gpu_and_reads_nothing(gpu, precision):
+@pytest.mark.parametrize(("precision", "autocast"), [("fp32", torch.float32), ("bf16", torch.bfloat16),
+                                                    ("auto", torch.bfloat16)])
+def test_a_step_with_accumulation_ema_and_clipping_stays_on_the_gpu_and_reads_nothing(gpu, precision,
+                                                                                      autocast):
     cfg = gpu_config(train={"precision": precision, "grad_accum": 2, "ema_decay": 0.9},
                      optim={"grad_clip": 1.0}, augment={"mixup_alpha": 0.2})
     trainer = gpu_trainer(cfg)
+    module, logits = trainer.model.module, []
+    module[-1].register_forward_hook(lambda layer, inputs, output: logits.append(output.dtype))
     step(trainer)
-    module = trainer.model.module
-    assert not on_the_gpu(module.state_dict().values())
-    assert not on_the_gpu(t for s in trainer.optimizer.state.values() for t in s.values()
-                          if isinstance(t, torch.Tensor) and t.dim())
-    assert not on_the_gpu(trainer.ema.module.state_dict().values())
+    assert logits == [autocast, autocast]  # CUDA autocast on ("auto": the GPU computes bf16)
+    assert not off_the_gpu(module.state_dict().values())
+    momentum = [t for state in trainer.optimizer.state.values() for t in state.values()]
+    assert momentum and not off_the_gpu(momentum)
+    assert not off_the_gpu(trainer.ema.module.state_dict().values())
     assert not gpu.reads
     # DDP's one gradient all-reduce per step, on the last micro-batch only (no_sync on the first)
     assert gradient_reductions(gpu) == [("nccl", [("cuda:3", "torch.float32", (sum(
@@ -47,8 +51,8 @@ def test_a_step_with_accumulation_ema_and_clipping_stays_on_the_gpu_and_reads_no
 def test_every_optimizer_steps_on_the_gpu_in_channels_last_and_reads_nothing(gpu, optimizer):
     trainer = gpu_trainer(gpu_config(optim={"name": optimizer}, model={"channels_last": True}))
     step(trainer, 2)
-    assert not on_the_gpu(t for s in trainer.optimizer.state.values() for t in s.values()
-                          if isinstance(t, torch.Tensor) and t.dim())
+    assert not off_the_gpu(t for s in trainer.optimizer.state.values() for t in s.values()
+                           if isinstance(t, torch.Tensor) and t.dim())
     assert not gpu.reads
 
 
