@@ -211,6 +211,7 @@ class Work:
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside `obj`'s dicts, lists, tuples and sets."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
@@ -315,8 +316,7 @@ class CollectiveRules:
 
     def patches(self) -> dict[str, Any]:
         names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                 "reduce_scatter",
-                 "reduce_scatter_tensor", "barrier", "all_gather_object", "gather_object",
+                 "reduce_scatter", "reduce_scatter_tensor", "barrier", "all_gather_object", "gather_object",
                  "broadcast_object_list", "new_group", "get_backend")
         return {name: getattr(self, name) for name in names}
 
