@@ -15,7 +15,7 @@ from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.distributed.setup import DistContext, choose_device, seed_everything
 from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.trainer import Trainer
-from gpu_rules.fakegpu import RANK, WORLD
+from gpu_rules.node import RANK, WORLD
 
 SIZE, IMAGES, BATCH = 8, 32, 2  # 32 images: 2 per rank and step, 2 steps an epoch; val: 4 per rank
 

@@ -15,8 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from ddp_cli.train.checkpoint import Checkpointer, save_checkpoint
-from gpu_rules.fakegpu import DEVICE, RANK, WORLD
 from gpu_rules.gpu_parts import gpu_config, gpu_trainer, micro_batches
+from gpu_rules.node import DEVICE, RANK, WORLD
 
 
 class KeptStore:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_rules.fakegpu import DEVICE
 from gpu_rules.gpu_parts import gpu_config, gpu_trainer, micro_batches
+from gpu_rules.node import DEVICE
 
 
 def step(trainer, steps: int = 1) -> None:

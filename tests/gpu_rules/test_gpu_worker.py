@@ -17,8 +17,8 @@ from ddp_cli.observe.startup import StartupClock
 from ddp_cli.run import inference_jobs, training
 from ddp_cli.run.jobs import Job
 from ddp_cli.train.checkpoint import save_checkpoint
-from gpu_rules.fakegpu import DEVICE, RANK, WORLD
 from gpu_rules.gpu_parts import gpu_config, tiny_loaders, tiny_net
+from gpu_rules.node import DEVICE, RANK, WORLD
 
 CLASS_NAMES = [f"n{i:08d}" for i in range(CLASSES)]
 INDEX = SimpleNamespace(classes=CLASS_NAMES, descriptions=CLASS_NAMES, splits={"val": None})

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from ddp_cli.data.pipeline.transforms import to_model_input
 from ddp_cli.distributed.setup import choose_device
 from ddp_cli.distributed.signals import control_group
-from gpu_rules.fakegpu import DEVICE, GpuRuleError
+from gpu_rules.node import DEVICE, GpuRuleError
 
 
 @pytest.fixture
