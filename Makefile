@@ -26,12 +26,13 @@ constraints: setup
 train: setup
 	$(BIN)/ddp train configs/demo.toml
 
-# The docs site (strict); the in-process unit tests on every core (pytest-xdist); then the end-to-end
-# tests, whose runs spawn workers on every core themselves, one at a time.
+# The docs site (strict); the in-process unit tests and the fake-GPU layer (tests/gpu_rules: the GPU
+# paths as rank 3 of 8 on cuda:3, on the CPU) on every core (pytest-xdist); then the end-to-end tests,
+# whose runs spawn workers on every core themselves, one at a time.
 test: setup
 	$(BIN)/ruff check .
 	$(MKDOCS) --quiet
-	$(BIN)/python -m pytest -q -n auto tests/unit
+	$(BIN)/python -m pytest -q -n auto tests/unit tests/gpu_rules
 	$(BIN)/python -m pytest -q tests/e2e tests/cuda
 
 # The GPU paths (NCCL, bf16/fp16 autocast + GradScaler, pinned loaders); skipped without CUDA.
