@@ -16,6 +16,7 @@ from ddp_cli.distributed.setup import DistContext, choose_device
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.run import inference_jobs, training
 from ddp_cli.run.jobs import Job
+from ddp_cli.run.writers import writes_folder
 from ddp_cli.train.checkpoint import save_checkpoint
 from gpu_rules.gpu_parts import gpu_config, tiny_loaders, tiny_net
 from gpu_rules.node import DEVICE, RANK, WORLD
@@ -61,8 +62,9 @@ def test_a_training_job_runs_its_epoch_on_the_gpu(gpu, worker_env, monkeypatch, 
     cfg = gpu_config(train={"ema_decay": 0.9, "precision": "bf16"}, model={"channels_last": True})
     ctx = DistContext(RANK, WORLD, RANK, WORLD, choose_device("nccl", RANK), "nccl")
     with gpu.host_reads():
+        writes = writes_folder(tmp_path, ctx)  # who writes the run dir: a broadcast and a barrier
         result = training.train_job(cfg, ctx, tmp_path, ENTRY, INDEX, Job("train", quiet=True),
-                                    StartupClock())
+                                    StartupClock(), writes)
     assert pins == [True] and result["epochs"] == 1 and result["world_size"] == WORLD
     backends = {(name, backend) for name, backend, _ in gpu.collectives.calls}
     assert ("all_reduce", "gloo") in backends  # the stop agreement, on the CPU control group
@@ -90,7 +92,7 @@ def test_validate_and_predict_run_a_gpu_checkpoint_on_the_gpu(gpu, monkeypatch, 
         validated = inference_jobs.validate_job(cfg, ctx, ENTRY, INDEX, Job(
             "validate", checkpoint=str(tmp_path / "gpu.pt"), predictions="p.csv"))
         predicted = inference_jobs.predict_job(cfg, ctx, tmp_path, ENTRY, INDEX, Job(
-            "predict", checkpoint=str(tmp_path / "gpu.pt"), topk=[2]))
+            "predict", checkpoint=str(tmp_path / "gpu.pt"), topk=[2]), writes=False)
     assert pins == [True, True] and validated["world_size"] == WORLD and predicted["images"] >= 0
     reduced = [shapes for name, backend, shapes in gpu.collectives.calls if name == "all_reduce"]
     assert [dtype for (_, dtype, _), in reduced] == ["torch.float64", "torch.int64", "torch.int64"]
