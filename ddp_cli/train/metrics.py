@@ -33,8 +33,8 @@ class EvalTotals:
         self.sums = torch.zeros(2 + len(self.ks), dtype=torch.float64, device=device)  # loss, n, hits
         self.confusion: torch.Tensor | None = None  # allocated at the first batch: classes x classes
         self.keep_topk, self.kept = keep_topk, []
-        self.positions: list[int] = []  # keep_topk: each image's split position, and on the device
-        self.rows: list[torch.Tensor] = []  # its row: counted (1/0), label, top-k classes, probabilities
+        self.positions: list[int] = []  # keep_topk: each image's split position (on the host)
+        self.rows: list[torch.Tensor] = []  # and on the device: counted (1/0), label, top-k classes, probs
         self.metrics: dict[str, float] = {}  # set by reduce()
 
     def add(self, logits: torch.Tensor, target: torch.Tensor, keep: torch.Tensor | None = None,
@@ -63,7 +63,8 @@ class EvalTotals:
                              f"{len(target)} images")
         probs, classes = logits.softmax(dim=1).topk(min(self.keep_topk, logits.shape[1]), dim=1)
         self.positions += positions
-        self.rows.append(torch.cat([keep[:, None], target[:, None], classes, probs], dim=1).double())
+        columns = (keep[:, None], target[:, None], classes, probs)
+        self.rows.append(torch.cat([column.double() for column in columns], dim=1))
 
     def kept_rows(self) -> list[tuple[int, int, list[int], list[float]]]:
         """The kept predictions of the counted images, (position, label, classes, probabilities): read
