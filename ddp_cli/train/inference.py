@@ -60,8 +60,8 @@ def evaluate(
     totals = EvalTotals(device, topk, keep_topk)
     for positions, logits, batch in logits_by_batch(model, loader, device, precision, channels_last, tta):
         raise_bad_images(batch.errors)
-        totals.add(logits, batch.labels.to(device, non_blocking=True), requested(batch.skipped).to(device),
-                   positions)
+        keep = requested(batch.skipped).to(device, non_blocking=True) if any(batch.skipped) else None
+        totals.add(logits, batch.labels.to(device, non_blocking=True), keep, positions)
         if bad is not None:
             bad.update(skipped_files(batch.skipped))
     totals.reduce()

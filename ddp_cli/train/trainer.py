@@ -163,7 +163,7 @@ class Trainer:
         self.model.train()
         batches = iter(self.loaders.train)
         self.running.copy_(torch.tensor(self.state.running_of(self.ctx.rank, self.ctx.world_size),
-                                        dtype=torch.float64))
+                                        dtype=torch.float64), non_blocking=True)
         bad, window, every = set(), (start, time.perf_counter()), self.cfg.logging.every_steps
         lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:
@@ -191,7 +191,8 @@ class Trainer:
                     self.checkpoint()
         running = self.running.clone()
         dist.all_reduce(running)
-        return running[0].item() / max(running[1].item(), 1), bad
+        loss, steps = running.tolist()
+        return loss / max(steps, 1), bad
 
     def train_step(self, micro: list[Batch]) -> torch.Tensor:
         """Forward/backward each micro-batch (gradients synced on the last), then one optimiser step."""

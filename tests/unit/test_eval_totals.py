@@ -164,12 +164,21 @@ def test_a_k_beyond_the_class_count_is_every_image():
     assert t.reduce()["top10"] == 1.0
 
 
+def test_a_batch_without_a_keep_mask_counts_every_image():
+    logits, target = torch.randn(5, 4), torch.randint(0, 4, (5,))
+    masked, unmasked = EvalTotals(CPU), EvalTotals(CPU)
+    masked.add(logits, target, torch.ones(5, dtype=torch.bool))
+    unmasked.add(logits, target)  # evaluate's batches without a bad file
+    assert unmasked.reduce() == masked.reduce() and unmasked.metrics["images"] == 5
+    assert torch.equal(unmasked.confusion, masked.confusion)
+
+
 def test_kept_predictions_are_the_top_k_probabilities_of_counted_images_by_position():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [1.0, 0.0, 5.0]])
     t = EvalTotals(CPU, keep_topk=2)
-    t.add(logits, torch.tensor([1, 0, 1]), torch.tensor([True, False, True]), positions=[10, 11, 12])
+    t.add(logits, torch.tensor([0, 1, 1]), torch.tensor([True, False, True]), positions=[10, 11, 12])
     t.reduce()
-    assert [row[:3] for row in t.kept] == [(10, 1, [1, 2]), (12, 1, [2, 0])]  # position 11 was a stand-in
+    assert [row[:3] for row in t.kept] == [(10, 0, [1, 2]), (12, 1, [2, 0])]  # position 11 was a stand-in
     probs = logits[0].softmax(0)
     assert t.kept[0][3] == pytest.approx([probs[1].item(), probs[2].item()])
 

@@ -13,6 +13,7 @@ ImageNet normalisation.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -104,6 +105,14 @@ def to_model_input(
     out = torch.empty(x.shape, dtype=torch.float32, device=device,
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     out.copy_(x)  # layout and dtype in one pass, then two in-place passes: (x/255 - mean)/std
-    scale = torch.tensor([1 / (255 * s) for s in STD], device=device).view(1, 3, 1, 1)
-    shift = torch.tensor([-m / s for m, s in zip(MEAN, STD, strict=True)], device=device).view(1, 3, 1, 1)
+    scale, shift = normalisation(device)
     return out.mul_(scale).add_(shift)
+
+
+@functools.cache
+def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (scale, shift) of `to_model_input`, per channel, made once per device: a tensor built from
+    Python numbers on a GPU is a blocking copy, which would stall the host every batch."""
+    scale = torch.tensor([1 / (255 * s) for s in STD]).view(1, 3, 1, 1)
+    shift = torch.tensor([-m / s for m, s in zip(MEAN, STD, strict=True)]).view(1, 3, 1, 1)
+    return scale.to(device, non_blocking=True), shift.to(device, non_blocking=True)
