@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddp_cli.config import RunConfig
-from ddp_cli.errors import DataError
+from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.train.checkpoint import (
     FORMAT_VERSION,
     RunState,
@@ -40,6 +40,7 @@ def written_at(version: int) -> dict:
 def test_files_without_a_version_are_read_off_what_they_hold(version):
     assert format_version(written_at(version)) == version
     assert format_version({**written_at(0), "format_version": 7}) == 7
+    assert format_version({"descriptions": CLASSES}) == format_version({"epoch_layout": 8}) == 3  # either one
 
 
 def test_version_0_gains_the_global_batch_and_position_from_its_own_config_and_world():
@@ -51,11 +52,20 @@ def test_version_0_gains_the_global_batch_and_position_from_its_own_config_and_w
     assert state["format_version"] == FORMAT_VERSION
 
 
+def test_version_0_without_a_position_starts_its_epoch_and_a_bad_config_names_the_file():
+    old = {k: v for k, v in written_at(0).items() if k != "step_in_epoch"}
+    assert migrate(old)["samples_in_epoch"] == 0
+    with pytest.raises(ConfigError, match=r"^run/old\.pt: bogus: unknown key"):
+        migrate({**old, "config": {"bogus": 1}}, "run/old.pt")
+
+
 def test_version_1_keeps_its_position_and_gives_every_rank_the_writers_running_loss():
     state = migrate({**written_at(1), "samples_in_epoch": 40})  # what the file says wins
     assert (state["global_batch"], state["samples_in_epoch"]) == (16, 40)
     assert state["running"] == [[6.0, 3.0], [6.0, 3.0]] and state["world_sizes"] == [2]
     assert state["descriptions"] == CLASSES
+    idle = {k: v for k, v in written_at(1).items() if k != "running"}  # saved before any step's loss
+    assert migrate(idle)["running"] == []  # not one empty entry per rank: running_of gives (0, 0)
 
 
 def test_version_2_gains_descriptions_and_nothing_else_changes():
@@ -69,7 +79,16 @@ def test_the_current_version_passes_through_and_a_newer_one_is_refused():
     current = {**written_at(3), "format_version": FORMAT_VERSION}
     assert migrate(current) == current
     with pytest.raises(DataError, match="newer ddp .*format 4"):
+        migrate({**current, "format_version": FORMAT_VERSION + 1}, "run/last.pt")
+    with pytest.raises(DataError, match=r"^checkpoint: written by a newer ddp"):  # no path given
         migrate({**current, "format_version": FORMAT_VERSION + 1})
+
+
+def test_loading_names_the_file_in_migrations_errors(tmp_path):
+    path = tmp_path / "new.pt"
+    torch.save({**written_at(3), "format_version": FORMAT_VERSION + 1}, path)
+    with pytest.raises(DataError, match=f"^{path}: written by a newer ddp"):
+        load_checkpoint(path)
 
 
 def test_a_file_without_training_state_keeps_none():

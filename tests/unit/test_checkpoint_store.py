@@ -3,13 +3,16 @@ the one saved as best (kept even after its step file is pruned)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 
 import pytest
 import torch
 
 from ddp_cli.errors import DataError
-from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint, verify
+from ddp_cli.train import checkpoint
+from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint, verify, write_manifest
 
 TOP1 = [0.5, 0.9, 0.7, 0.6, 0.8, 0.85]  # best at step 2, never beaten; last at step 6
 
@@ -81,10 +84,65 @@ def test_latest_valid_skips_torn_altered_and_unmanifested_checkpoints_newest_fir
     newest = store.path_for(4)
     newest.write_bytes(newest.read_bytes()[:-100])  # torn: a write cut short
     assert step_of(store.latest_valid()) == 3
-    assert f"skipping checkpoint {newest}: size differs" in caplog.text
+    assert f"skipping checkpoint {newest}: size differs from its manifest (truncated?)" in caplog.messages
     flip_a_byte(store.path_for(3))
     assert step_of(store.latest_valid()) == 2
     (tmp_path / "step-000000002.pt.json").unlink()  # killed between the file and its manifest
+    assert verify(store.path_for(2)) == "no manifest (partial write?)"
     assert store.latest_valid() == store.path_for(1)
     flip_a_byte(store.path_for(1))
     assert store.latest_valid() is None
+
+
+def test_latest_valid_takes_last_pt_when_the_newest_step_file_is_gone(tmp_path):
+    """last.pt is a candidate of its own, ordered by its manifest's step: a run dir whose newest step
+    file was deleted (or not copied) resumes from last.pt, not from the older step file left."""
+    store = CheckpointStore(tmp_path, 3)
+    save_all(store, [0.1, 0.2, 0.3])
+    store.path_for(3).unlink()
+    (tmp_path / "step-000000003.pt.json").unlink()
+    assert store.latest_valid() == tmp_path / "last.pt"
+    assert step_of(store.latest_valid()) == 3
+
+
+def test_a_save_hashes_on_the_way_out_and_reads_no_file_back(tmp_path, monkeypatch):
+    def read_back(path):
+        raise AssertionError(f"{path} read back to hash it")
+
+    monkeypatch.setattr(checkpoint, "sha256_of", read_back)
+    save_all(CheckpointStore(tmp_path, 2), [0.1, 0.2])
+    monkeypatch.undo()
+    for path in tmp_path.glob("*.pt"):
+        assert verify(path) is None, path
+
+
+def test_a_manifest_written_without_the_writes_hash_reads_the_file(tmp_path):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"weights")
+    write_manifest(path, {"epoch": 3, "step": 12})
+    assert json.loads((tmp_path / "model.pt.json").read_text()) == {
+        "file": "model.pt", "sha256": hashlib.sha256(b"weights").hexdigest(), "bytes": 7,
+        "epoch": 3, "step": 12}
+
+
+def test_where_hard_links_fail_last_and_best_are_copies(tmp_path, monkeypatch):
+    def unsupported(source, target):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(os, "link", unsupported)
+    store = CheckpointStore(tmp_path, 1)
+    save_all(store, [0.2, 0.1])
+    assert step_of(tmp_path / "last.pt") == 2 and step_of(tmp_path / "best.pt") == 1
+    assert not (tmp_path / "last.pt").samefile(store.path_for(2))
+
+
+def test_pruning_passes_over_a_missing_manifest_and_a_file_another_writer_pruned(tmp_path):
+    """A run killed between a step file and its manifest leaves the file alone; a node sharing the
+    folder may prune a step file between this one's listing and its unlink."""
+    store = CheckpointStore(tmp_path, 1)
+    save_all(store, [0.1])
+    (tmp_path / "step-000000001.pt.json").unlink()
+    listed = store.steps
+    store.steps = lambda: [store.path_for(0), *listed()]  # step 0: gone since it was listed
+    store.save({"step": 2}, {"epoch": 2, "step": 2}, best=False)
+    assert [p.name for p in listed()] == ["step-000000002.pt"]

@@ -3,16 +3,27 @@ never overlap, never hold a half-changed state and never outlive the process."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddp_cli.errors import ConfigError, DataError, DdpError
-from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore, RunState, load_checkpoint, verify
+from ddp_cli.train import rng
+from ddp_cli.train.checkpoint import (
+    Checkpointer,
+    CheckpointStore,
+    RankRngs,
+    RunState,
+    cpu_copy,
+    load_checkpoint,
+    verify,
+)
 
 
 def parts() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -38,10 +49,11 @@ class GatedStore(CheckpointStore):
 
     def __init__(self, folder: Path) -> None:
         super().__init__(folder, keep_last=5)
-        self.gate, self.spans, self.fail = threading.Event(), [], False
+        self.gate, self.spans, self.fail, self.threads = threading.Event(), [], False, []
 
     def save(self, state, info, best):
         self.gate.wait(10)
+        self.threads.append(threading.current_thread().name)
         if self.fail:
             raise OSError(28, "No space left on device")
         start = len(self.spans)
@@ -99,8 +111,11 @@ def test_a_failed_background_write_is_a_one_line_error_at_the_next_wait(tmp_path
     store.fail = True
     store.gate.set()
     ckpt.save()
-    with pytest.raises(DataError, match="writing a checkpoint failed .*No space left"):
+    with pytest.raises(DataError) as failed:
         ckpt.close()
+    assert str(failed.value) == (f"{tmp_path}: writing a checkpoint failed ([Errno 28] No space left on "
+                                 "device); free space or fix the folder, then resume from the last one "
+                                 "written")
 
 
 class AgreedStop:
@@ -193,3 +208,79 @@ def test_the_stop_names_the_checkpoint_and_the_run_dir_that_resumes_it(tmp_path)
         other.end_if_stopping(None)
     assert str(elsewhere.value).endswith("after step 3, checkpoint checkpoints; the same command with "
                                          "--run-dir . resumes it")
+
+
+def test_by_default_saves_come_only_at_an_epochs_end_and_are_written_by_the_caller(tmp_path):
+    """The defaults: no step interval, no stop pending before the first `due()`, foreground writes;
+    `background` hands them to one thread named for thread dumps."""
+    store = GatedStore(tmp_path / "fore")
+    store.gate.set()
+    ckpt = Checkpointer(store)
+    ckpt.track(RunState(epoch=1, step=7))
+    ckpt.end_if_stopping(None)  # nothing agreed yet: nothing ends
+    assert not ckpt.due() and ckpt.due(epoch_end=True)
+    ckpt.save()
+    assert store.threads == [threading.current_thread().name]
+    store = GatedStore(tmp_path / "back")
+    store.gate.set()
+    ckpt = Checkpointer(store, background=True)
+    ckpt.save()
+    ckpt.close()
+    assert store.threads == ["ddp-checkpoint_0"]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_best_pt_moves_only_on_a_strictly_higher_top1_and_manifests_carry_it(tmp_path, background):
+    ckpt, _, progress = checkpointer(tmp_path, background)
+    bests = []
+    for step, top1 in ((7, 0.5), (8, 0.5), (9, None), (10, 0.6)):  # a mid-epoch save (9) has no top-1
+        progress.step = step
+        ckpt.save(top1=top1)
+        ckpt.wait()
+        bests.append(json.loads((tmp_path / "best.pt.json").read_text())["step"])
+    ckpt.close()
+    assert bests == [7, 7, 7, 10] and progress.best_top1 == 0.6
+    top1s = [json.loads((tmp_path / f"step-{s:09d}.pt.json").read_text())["top1"] for s in (7, 9)]
+    assert top1s == [0.5, None]
+
+
+def test_a_rank_that_does_not_write_still_takes_part_and_writes_nothing(tmp_path):
+    ckpt, _, progress = checkpointer(tmp_path / "ckpt", background=False, writes=False)
+    gathered = []
+    ckpt.register(rng=type("Gathered", (), {"state_dict": lambda _: gathered.append(1)})())
+    assert ckpt.save(top1=0.5) is None and gathered == [1]  # the collective ran on this rank too
+    assert not (tmp_path / "ckpt").exists() and progress.best_top1 == 0.5
+
+
+def test_cpu_copy_copies_every_tensor_in_nested_containers_and_keeps_the_rest():
+    t = torch.ones(2)
+    copy = cpu_copy({"a": [t, 1], "b": (t, "x"), "c": {"d": t}, "e": None})
+    t.add_(1.0)  # training goes on changing the live tensor
+    assert type(copy["a"]) is list and type(copy["b"]) is tuple and copy["e"] is None
+    assert (copy["a"][1], copy["b"][1]) == (1, "x")
+    for tensor in (copy["a"][0], copy["b"][0], copy["c"]["d"]):
+        assert torch.equal(tensor, torch.ones(2))
+
+
+def test_rank_rngs_gather_every_ranks_state_and_restore_their_own_at_the_same_world_size(monkeypatch):
+    saved = rng.capture()
+    torch.manual_seed(2)
+    other = rng.capture()  # rank 0's
+
+    def gather(states, state):  # a two-rank all_gather_object, seen from rank 1
+        assert states == [None, None]
+        states[0], states[1] = other, state
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    try:
+        torch.manual_seed(1)
+        own = torch.get_rng_state()
+        states = RankRngs(rank=1, world_size=2).state_dict()
+        assert states[0] is other and torch.equal(states[1]["torch"], own)
+        torch.manual_seed(3)
+        RankRngs(rank=1, world_size=2).load_state_dict(states)
+        assert torch.equal(torch.get_rng_state(), own)
+        RankRngs(rank=0, world_size=3).load_state_dict(states)  # another world size: left alone
+        assert torch.equal(torch.get_rng_state(), own)
+    finally:
+        rng.restore(saved)
