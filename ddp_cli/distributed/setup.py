@@ -70,6 +70,14 @@ def choose_device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def queued_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor the host made (a mask, restored state) on `device` without the host waiting: a GPU copies
+    asynchronously only from pinned memory (from pageable memory `non_blocking` is a blocking copy)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def threads_per_worker(local_world_size: int) -> int:
     """OMP_NUM_THREADS if set (by the user, or an external torchrun), else this machine's
     cores split evenly among its workers (at least one each)."""

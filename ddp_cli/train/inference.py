@@ -20,6 +20,7 @@ from torch import nn
 
 from ddp_cli.data.pipeline.loaders import Batch, requested, skipped_files
 from ddp_cli.data.pipeline.transforms import to_model_input
+from ddp_cli.distributed.setup import queued_copy
 from ddp_cli.errors import DataError
 from ddp_cli.train.metrics import DEFAULT_TOPK, EvalTotals
 from ddp_cli.train.precision import autocast
@@ -60,7 +61,7 @@ def evaluate(
     totals = EvalTotals(device, topk, keep_topk)
     for positions, logits, batch in logits_by_batch(model, loader, device, precision, channels_last, tta):
         raise_bad_images(batch.errors)
-        keep = requested(batch.skipped).to(device, non_blocking=True) if any(batch.skipped) else None
+        keep = queued_copy(requested(batch.skipped), device) if any(batch.skipped) else None
         totals.add(logits, batch.labels.to(device, non_blocking=True), keep, positions)
         if bad is not None:
             bad.update(skipped_files(batch.skipped))

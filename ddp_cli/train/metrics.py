@@ -82,7 +82,7 @@ class EvalTotals:
         self.kept = self.kept_rows() if self.keep_topk else []
         if dist.is_initialized():
             dist.all_reduce(self.sums)
-            size = torch.tensor(self.confusion.shape[0]).to(self.device, non_blocking=True)
+            size = torch.full((), self.confusion.shape[0], dtype=torch.int64, device=self.device)
             dist.all_reduce(size, op=dist.ReduceOp.MAX)
             classes = int(size.item())
             if self.confusion.shape[0] < classes:

@@ -29,7 +29,7 @@ from ddp_cli.data.fetch.retry import retries_so_far
 from ddp_cli.data.pipeline.loaders import Batch, Loaders, skipped_files
 from ddp_cli.data.pipeline.transforms import to_model_input
 from ddp_cli.distributed.reduce import replicate
-from ddp_cli.distributed.setup import DistContext
+from ddp_cli.distributed.setup import DistContext, queued_copy
 from ddp_cli.errors import ConfigError, DivergedError
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import Sink
@@ -162,8 +162,8 @@ class Trainer:
         sampler.set_epoch(epoch, skip=self.state.samples_in_epoch, layout=self.state.epoch_layout)
         self.model.train()
         batches = iter(self.loaders.train)
-        self.running.copy_(torch.tensor(self.state.running_of(self.ctx.rank, self.ctx.world_size),
-                                        dtype=torch.float64), non_blocking=True)
+        self.running.copy_(queued_copy(torch.tensor(self.state.running_of(self.ctx.rank, self.ctx.world_size),
+                                                    dtype=torch.float64), self.ctx.device))
         bad, window, every = set(), (start, time.perf_counter()), self.cfg.logging.every_steps
         lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:

@@ -13,7 +13,6 @@ ImageNet normalisation.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -109,10 +108,12 @@ def to_model_input(
     return out.mul_(scale).add_(shift)
 
 
-@functools.cache
 def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (scale, shift) of `to_model_input`, per channel, made once per device: a tensor built from
-    Python numbers on a GPU is a blocking copy, which would stall the host every batch."""
-    scale = torch.tensor([1 / (255 * s) for s in STD]).view(1, 3, 1, 1)
-    shift = torch.tensor([-m / s for m, s in zip(MEAN, STD, strict=True)]).view(1, 3, 1, 1)
-    return scale.to(device, non_blocking=True), shift.to(device, non_blocking=True)
+    """The (scale, shift) of `to_model_input`, per channel, filled on `device` from Python numbers (kernel
+    arguments): a tensor copied from host memory would be a blocking copy on a GPU, stalling the host every
+    batch; six tiny fills are queued like any kernel, in any fake or real mode."""
+    scale, shift = torch.empty(3, device=device), torch.empty(3, device=device)
+    for c, (mean, std) in enumerate(zip(MEAN, STD, strict=True)):
+        scale[c].fill_(1 / (255 * std))
+        shift[c].fill_(-mean / std)
+    return scale.view(1, 3, 1, 1), shift.view(1, 3, 1, 1)
