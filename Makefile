@@ -28,12 +28,15 @@ train: setup
 
 # The docs site (strict); the in-process unit tests and the fake-GPU layer (tests/gpu_rules: the GPU
 # paths as rank 3 of 8 on cuda:3, on the CPU) on every core (pytest-xdist); then the end-to-end tests,
-# whose runs spawn workers on every core themselves, one at a time.
+# two files at a time (a file's tests on one xdist worker, so its module fixtures are made once): their
+# runs spawn workers on every core themselves, but spend much of their time waiting (interpreters
+# starting, rendezvous, timeouts of the fault tests), which the other file's run fills. The slowest
+# are named at the end (--durations), for whoever trims the suite next.
 test: setup
 	$(BIN)/ruff check .
 	$(MKDOCS) --quiet
 	$(BIN)/python -m pytest -q -n auto tests/unit tests/gpu_rules
-	$(BIN)/python -m pytest -q tests/e2e tests/cuda
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests/e2e tests/cuda
 
 # The GPU paths (NCCL, bf16/fp16 autocast + GradScaler, pinned loaders); skipped without CUDA.
 test-cuda: setup

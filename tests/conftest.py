@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from synthetic import write_registry
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,12 +158,25 @@ class LiveRun:
 
 
 @pytest.fixture(scope="session")
-def trained_demo(demo_registry: Path, tmp_path_factory) -> Path:
+def trained_demo(demo_registry: Path, tmp_path_factory, worker_id: str) -> Path:
     """A demo run trained once per session (3 epochs at the digits' native 8 px, EMA on, 2 ranks,
     ~15 s): its run directory. What `validate`, `predict`, `export` and `report` are tested on;
     accurate enough (top-1 ~0.93, EMA ~0.88) that agreements between them are not agreements on noise.
+    Under xdist (`make test`'s end-to-end line) the first worker to need it trains it for all: their
+    session folders share a parent, where a lock makes the others wait for it.
     """
-    run_dir = tmp_path_factory.mktemp("trained") / "demo"
+    if worker_id == "master":
+        return train_the_demo(demo_registry, tmp_path_factory.mktemp("trained") / "demo")
+    shared = tmp_path_factory.getbasetemp().parent
+    with FileLock(shared / "trained_demo.lock"):
+        run_dir, done = shared / "trained_demo", shared / "trained_demo.done"
+        if not done.is_file():
+            train_the_demo(demo_registry, run_dir)
+            done.touch()
+        return run_dir
+
+
+def train_the_demo(demo_registry: Path, run_dir: Path) -> Path:
     sets = ["train.epochs=3", "train.ema_decay=0.9", "data.image_size=8", "data.val_resize=8",
             "data.workers=0", "train.precision=fp32"]
     result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
