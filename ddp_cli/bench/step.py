@@ -38,6 +38,7 @@ not hide.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 import warnings
@@ -310,6 +311,7 @@ def peak_and_seconds(spec: StepSpec, timer, *args) -> tuple[float, float | None]
     """`timer(spec, *args)`'s seconds, and on CUDA the peak memory (MiB) it allocated."""
     cuda = spec.device == "cuda"
     if cuda:
+        gc.collect()  # the previous variant's model and optimizer (DDP holds reference cycles)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     seconds = timer(spec, *args)
