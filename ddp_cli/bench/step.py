@@ -17,8 +17,10 @@ per-worker batch, world size and threads:
   optimizer (same class, groups and hyper-parameters) and loss, ddp's own uint8
   batches normalised inline, ddp's precision and memory format (GradScaler in
   fp16), and no schedule, EMA, loss accumulation or checks. `ratio_vs_bare` and
-  `ratio_ema_vs_bare` are ddp's step (without and with the EMA) over it: the
-  median of the rounds' ratios, each taken between variants of one round.
+  `ratio_ema_vs_bare` are ddp's images/s (without and with the EMA) over its,
+  from the median step of each (`paired_step_ms`), the three built side by side
+  and stepped in turn, `rounds` x `steps` steps each: one step at a time, load
+  from elsewhere falls on all three alike.
 
 Each loop also runs at the other's precision and memory format, so the rows
 show both the gain from the settings and that ddp is not slower at equal ones.
@@ -26,8 +28,7 @@ A `ddp_ema` row is ddp's defaults with the weights' EMA on, updated every step
 (`ratio_ema_vs_defaults`, its images/s over the defaults'); `ema_ms` times the
 EMA update alone, and `ema_share_of_step` is its fraction of the breakdown's step.
 The variants alternate over `rounds` (fresh model each time) so background load
-hits all alike (bare between ddp with and without the EMA, so each ratio is taken
-between neighbours). With `device = "cuda"` the workers are NCCL ranks, one GPU
+hits all alike. With `device = "cuda"` the workers are NCCL ranks, one GPU
 each, and each row also gives the peak GPU memory its loop allocated. A
 breakdown times the Trainer's own step methods with the default settings (data
 wait, `forward_loss`, `backward`, `optimizer_step` with its scaler, clipping and
@@ -42,7 +43,8 @@ import gc
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -155,12 +157,18 @@ def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
     return Trainer(cfg, ctx, model, Loaders(train, None, None), len(train), checkpointer)
 
 
-def time_ddp(spec: StepSpec, precision: str, channels_last: bool, overrides: tuple[str, ...] = ()) -> float:
-    """Seconds for `spec.steps` of the Trainer's train_step, after the warm-up."""
+def ddp_step(spec: StepSpec, precision: str, channels_last: bool,
+             overrides: tuple[str, ...] = ()) -> Callable[[], None]:
+    """One call, one step of the Trainer's train_step over the next synthetic batch."""
     trainer = ddp_trainer(spec, precision, channels_last, overrides)
     trainer.model.train()
     batches = iter(trainer.loaders.train)
-    return _timed(spec, lambda: trainer.train_step([next(batches)]))
+    return lambda: trainer.train_step([next(batches)])
+
+
+def time_ddp(spec: StepSpec, precision: str, channels_last: bool, overrides: tuple[str, ...] = ()) -> float:
+    """Seconds for `spec.steps` of the Trainer's train_step, after the warm-up."""
+    return _timed(spec, ddp_step(spec, precision, channels_last, overrides))
 
 
 def plain_ddp(spec: StepSpec, model_cfg: ModelConfig, channels_last: bool) -> DistributedDataParallel:
@@ -194,8 +202,8 @@ def time_tutorial(spec: StepSpec, precision: str, channels_last: bool) -> float:
     return _timed(spec, step)
 
 
-def time_bare(spec: StepSpec, precision: str, channels_last: bool) -> float:
-    """Seconds for `spec.steps` of a bare DDP loop over ddp's own batches, optimizer, loss and precision."""
+def bare_step(spec: StepSpec, precision: str, channels_last: bool) -> Callable[[], None]:
+    """One call, one step of a bare DDP loop over ddp's own batches, optimizer, loss and precision."""
     cfg = step_config(spec, precision, channels_last)
     device = bench_device(spec)
     ddp = plain_ddp(spec, cfg.model, channels_last)
@@ -220,7 +228,34 @@ def time_bare(spec: StepSpec, precision: str, channels_last: bool) -> float:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
-    return _timed(spec, step)
+    return step
+
+
+def time_bare(spec: StepSpec, precision: str, channels_last: bool) -> float:
+    """Seconds for `spec.steps` of the bare DDP loop, after the warm-up."""
+    return _timed(spec, bare_step(spec, precision, channels_last))
+
+
+def paired_step_seconds(spec: StepSpec, precision: str, channels_last: bool) -> dict[str, list[float]]:
+    """Seconds of each of `rounds` x `steps` steps of ddp's step, ddp's with the EMA and the bare loop,
+    built side by side and stepped in turn (the order rotating), so that load from elsewhere falls on all
+    three alike: their medians compare the loops to a few per cent on a busy machine, where whole rounds
+    of one loop at a time do not."""
+    spec = replace(spec, steps=spec.rounds * spec.steps)
+    steps = {"ddp": ddp_step(spec, precision, channels_last),
+             "bare": bare_step(spec, precision, channels_last),
+             "ddp_ema": ddp_step(spec, precision, channels_last, EMA)}
+    names, device = list(steps), bench_device(spec)
+    for _ in range(spec.warmup):
+        for step in steps.values():
+            step()
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(spec.steps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            started = settled(device)
+            steps[name]()
+            seconds[name].append(settled(device) - started)
+    return seconds
 
 
 def ema_ms(spec: StepSpec, precision: str, channels_last: bool) -> float:
@@ -331,6 +366,7 @@ def _step_worker(rank: int, world_size: int, spec: StepSpec, fast: str) -> dict 
             seconds[variant].append(s)
             if peak is not None:
                 peaks[variant] = max(peak, peaks.get(variant, 0.0))
+    paired = paired_step_seconds(spec, fast, True)
     parts = breakdown(spec, fast, True)
     ema = ema_ms(spec, fast, True)
     syncs = host_syncs(spec, fast, True) if spec.device == "cuda" else None
@@ -341,15 +377,8 @@ def _step_worker(rank: int, world_size: int, spec: StepSpec, fast: str) -> dict 
              "seconds": sum(s), "images_per_second": images / sum(s),
              **({"peak_memory_mib": peaks[(loop, precision, channels_last)]} if peaks else {})}
             for (loop, precision, channels_last), s in seconds.items()]
-    bare = seconds[("bare", fast, True)]
-    return {"rows": rows, "breakdown": parts, "ema_ms": ema, "host_syncs": syncs,
-            "rounds_vs_bare": per_round_ratios(bare, seconds[("ddp", fast, True)]),
-            "rounds_ema_vs_bare": per_round_ratios(bare, seconds[("ddp_ema", fast, True)])}
-
-
-def per_round_ratios(baseline: list[float], loop: list[float]) -> list[float]:
-    """Each round's images/s of `loop` over the baseline's (same images: the inverse ratio of seconds)."""
-    return [b / s for b, s in zip(baseline, loop, strict=True)]
+    paired_ms = {name: statistics.median(s) * 1e3 for name, s in paired.items()}
+    return {"rows": rows, "breakdown": parts, "ema_ms": ema, "host_syncs": syncs, "paired_ms": paired_ms}
 
 
 def step_header(bench: str, spec: StepSpec, world_size: int, threads: int) -> dict:
@@ -375,10 +404,9 @@ def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
         "ratio_equal_fp32": rate[("ddp", "fp32", False)] / rate[("tutorial", "fp32", False)],
         "ratio_equal_fast": rate[("ddp", fast, True)] / rate[("tutorial", fast, True)],
         "ratio_ema_vs_defaults": rate[("ddp_ema", fast, True)] / rate[("ddp", fast, True)],
-        "ratio_vs_bare": statistics.median(out["rounds_vs_bare"]),
-        "ratio_ema_vs_bare": statistics.median(out["rounds_ema_vs_bare"]),
-        "rounds_vs_bare": out["rounds_vs_bare"],
-        "rounds_ema_vs_bare": out["rounds_ema_vs_bare"],
+        "paired_step_ms": out["paired_ms"],
+        "ratio_vs_bare": out["paired_ms"]["bare"] / out["paired_ms"]["ddp"],
+        "ratio_ema_vs_bare": out["paired_ms"]["bare"] / out["paired_ms"]["ddp_ema"],
         **({"host_syncs_per_step": out["host_syncs"]["per_step"],
             "host_syncs_from": out["host_syncs"]["from"]} if out["host_syncs"] else {}),
         "ema_ms": out["ema_ms"],
