@@ -161,3 +161,12 @@ def test_on_a_cpu_only_machine_it_says_so_and_exits_2(tmp_path, capsys):
     assert gc.main(["--out", str(tmp_path)]) == 2
     assert "no CUDA GPU on this machine" in capsys.readouterr().err
     assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.skipif(gc.gpu_here(), reason="a GPU here: the bench would run")
+def test_bench_step_on_cuda_without_a_gpu_is_refused_before_any_worker():
+    from conftest import ddp_in_process
+
+    refused = ddp_in_process("bench", "step", "--device", "cuda", "--json")
+    assert refused.returncode == 2 and "--device cuda: 0 CUDA GPUs here" in refused.stdout
+    assert ddp_in_process("bench", "step", "--device", "tpu").returncode == 2
