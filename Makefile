@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # the site: strict (a broken link, page or anchor fails), offline; without Material's notice
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-.PHONY: setup train test test-cuda lint docs clean constraints mutate
+.PHONY: setup train test test-cuda gpu-check lint docs clean constraints mutate
 
 setup: $(STAMP)
 
@@ -41,6 +41,13 @@ test: setup
 # The GPU paths (NCCL, bf16/fp16 autocast + GradScaler, pinned loaders); skipped without CUDA.
 test-cuda: setup
 	$(BIN)/python -m pytest -m cuda tests/cuda -rs
+
+# On a machine with a CUDA GPU, at most ten minutes: the driver and build, tests/cuda, ResNet-50 on generated
+# JPEGs through `ddp` (train, resume, validate, predict, export; fp16, bf16, PowerSGD, SyncBatchNorm, compile)
+# and ddp's step against a bare DDP loop (tools/gpu_check.py; docs/gpus.md). Writes runs/gpu-check-*/report.json;
+# exit 0 only if every stage held, 2 on a machine without a GPU.
+gpu-check: setup
+	$(BIN)/python tools/gpu_check.py
 
 # Mutation testing of the core (mutmut 3; [tool.mutmut] in pyproject.toml lists the modules): small
 # plausible changes ("mutants") are made to the code, one at a time, and each must make a unit test fail.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -94,18 +94,39 @@ def step_options(*, steps: int | None = 10, rounds: int = 3, model: str = "resne
 
 @command(bench_app, "step")
 @step_options(rounds=4)
-def step(setup: StepSetup, as_json: JsonOpt = False) -> None:
-    """Training images/s of ddp's train_step vs the PyTorch DDP tutorial's loop, and where a step's time goes.
+def step(setup: StepSetup, device: Annotated[str, typer.Option(
+        metavar="cpu|cuda", help="cpu: gloo workers; cuda: NCCL workers, one GPU each (rows add peak "
+        "GPU memory).")] = "cpu", as_json: JsonOpt = False) -> None:
+    """Training images/s of ddp's train_step vs a bare DDP loop and the PyTorch DDP tutorial's, and where a
+    step's time goes.
 
     Examples:
 
     * `ddp bench step`
     * `ddp bench step --model resnet18 --image-size 112 --steps 10 --json`
+    * `ddp bench step --device cuda --model resnet50 --image-size 224 --batch-size 64 --world-size 1`
     """
     from ddp_cli.bench.step import bench_step
 
-    result = bench_step(setup.spec(), setup.world_size, setup.threads)
+    spec = replace(setup.spec(), device=device)
+    check_device(device, setup.world_size)
+    result = bench_step(spec, setup.world_size, setup.threads)
     emit(result, as_json, lambda: print_bench(result))
+
+
+def check_device(device: str, world_size: int) -> None:
+    """`--device`: cpu, or cuda with a GPU per worker that torch can use (else exit 2, naming why)."""
+    from ddp_cli.distributed.gpus import gpu_problem
+    from ddp_cli.distributed.setup import cuda_devices
+
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: use cpu or cuda")
+    if device == "cpu":
+        return
+    problem, gpus = gpu_problem(), cuda_devices()
+    if problem or gpus < world_size:
+        why = problem or f"{gpus} CUDA GPUs here, --world-size {world_size} needs one per worker"
+        raise ConfigError(f"--device cuda: {why}")
 
 
 @command(bench_app, "scaling")

@@ -1,6 +1,6 @@
-"""`ddp bench step`: training images/s of ddp's worker against the PyTorch DDP tutorial's loop.
+"""`ddp bench step`: training images/s of ddp's worker against a bare DDP loop and the tutorial's.
 
-Both run in the same gloo processes on the same synthetic images (random
+All run in the same gloo processes on the same synthetic images (random
 pixels, random labels: throughput does not depend on what is learnt), model,
 per-worker batch, world size and threads:
 
@@ -9,9 +9,18 @@ per-worker batch, world size and threads:
   normalised in the worker (`to_model_input`, as on a GPU), with the fast
   settings where the CPU has them (bf16 autocast on AVX-512 BF16 / AMX or CUDA,
   channels_last);
-- baseline: `DistributedDataParallel(model)` with its defaults, SGD, a
+- tutorial: `DistributedDataParallel(model)` with its defaults, SGD, a
   DataLoader of normalised float NCHW tensors, and
-  `zero_grad(); loss_fn(ddp(x), y).backward(); step()` (the tutorial's loop).
+  `zero_grad(); loss_fn(ddp(x), y).backward(); step()` (the tutorial's loop);
+- bare: the loop a careful user writes around the same things ddp's step uses
+  and nothing else: `DistributedDataParallel(model)` with its defaults, ddp's
+  optimizer (same class, groups and hyper-parameters) and loss, ddp's own uint8
+  batches normalised inline, ddp's precision and memory format (GradScaler in
+  fp16), and no schedule, EMA, loss accumulation or checks. `ratio_vs_bare` and
+  `ratio_ema_vs_bare` are ddp's images/s (without and with the EMA) over its,
+  from the median step of each (`paired_step_ms`), the three built side by side
+  and stepped in turn, `rounds` x `steps` steps each: one step at a time, load
+  from elsewhere falls on all three alike.
 
 Each loop also runs at the other's precision and memory format, so the rows
 show both the gain from the settings and that ddp is not slower at equal ones.
@@ -19,17 +28,23 @@ A `ddp_ema` row is ddp's defaults with the weights' EMA on, updated every step
 (`ratio_ema_vs_defaults`, its images/s over the defaults'); `ema_ms` times the
 EMA update alone, and `ema_share_of_step` is its fraction of the breakdown's step.
 The variants alternate over `rounds` (fresh model each time) so background load
-hits all alike. A breakdown times the Trainer's own step methods with the
-default settings (data wait, `forward_loss`, `backward`, `optimizer_step` with
-its scaler, clipping and EMA), once with DDP's all-reduce and once under
+hits all alike. With `device = "cuda"` the workers are NCCL ranks, one GPU
+each, and each row also gives the peak GPU memory its loop allocated. A
+breakdown times the Trainer's own step methods with the default settings (data
+wait, `forward_loss`, `backward`, `optimizer_step` with its scaler, clipping and
+EMA), once with DDP's all-reduce and once under
 `no_sync`: the difference in backward is the all-reduce time that backward did
 not hide.
 """
 
 from __future__ import annotations
 
+import gc
+import statistics
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -45,12 +60,15 @@ from ddp_cli.distributed.setup import DistContext
 from ddp_cli.models import build_model, count_parameters
 from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.checkpoint import Checkpointer
-from ddp_cli.train.precision import autocast, resolve_precision
+from ddp_cli.train.mixing import loss_function
+from ddp_cli.train.optim import build_optimizer
+from ddp_cli.train.precision import AUTOCAST, autocast, resolve_precision
 from ddp_cli.train.trainer import Trainer
 
 CPU = torch.device("cpu")
 STORED_IMAGES = 64  # distinct synthetic images; items cycle through them
 PHASES = ("data", "forward", "backward", "optimizer")
+SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") says
 EMA = ("train.ema_decay=0.9999",)  # the ddp_ema row: ddp's defaults with the EMA updated every step
 
 
@@ -64,6 +82,19 @@ class StepSpec:
     warmup: int = 3
     rounds: int = 2
     loader_workers: int = 0
+    device: str = "cpu"  # or "cuda": NCCL ranks, one GPU each
+
+
+def bench_device(spec: StepSpec) -> torch.device:
+    """This rank's device: the CPU, or the GPU `run_workers` set for the rank."""
+    return torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else CPU
+
+
+def settled(device: torch.device) -> float:
+    """`perf_counter` once the device's queued work is done (a CUDA step returns before its kernels end)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class Synthetic(Dataset):
@@ -98,9 +129,9 @@ def loader(spec: StepSpec, as_float: bool) -> DataLoader:
                       persistent_workers=False)
 
 
-def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
-                overrides: tuple[str, ...] = (), checkpointer: Checkpointer | None = None) -> Trainer:
-    """ddp's Trainer as a worker builds it, over the synthetic loader; `overrides` as `--set` takes them."""
+def step_config(spec: StepSpec, precision: str, channels_last: bool,
+                overrides: tuple[str, ...] = ()) -> RunConfig:
+    """The run config of the timed step; `overrides` as `--set` takes them."""
     raw = {
         "data": {"batch_size": spec.batch_size, "image_size": spec.image_size,
                  "workers": spec.loader_workers},
@@ -110,43 +141,121 @@ def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
     }
     for item in overrides:
         apply_override(raw, item)
-    cfg = RunConfig.model_validate(raw)
+    return RunConfig.model_validate(raw)
+
+
+def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
+                overrides: tuple[str, ...] = (), checkpointer: Checkpointer | None = None) -> Trainer:
+    """ddp's Trainer as a worker builds it, over the synthetic loader; `overrides` as `--set` takes them."""
+    cfg = step_config(spec, precision, channels_last, overrides)
     rank, world = dist.get_rank(), dist.get_world_size()
-    ctx = DistContext(rank, world, rank, world, CPU, "gloo")
+    device = bench_device(spec)
+    ctx = DistContext(rank, world, rank, world, device, dist.get_backend())
     torch.manual_seed(0)
     model = build_model(cfg.model, spec.classes, spec.image_size)
     train = loader(spec, as_float=False)
     return Trainer(cfg, ctx, model, Loaders(train, None, None), len(train), checkpointer)
 
 
-def time_ddp(spec: StepSpec, precision: str, channels_last: bool, overrides: tuple[str, ...] = ()) -> float:
-    """Seconds for `spec.steps` of the Trainer's train_step, after the warm-up."""
+def ddp_step(spec: StepSpec, precision: str, channels_last: bool,
+             overrides: tuple[str, ...] = ()) -> Callable[[], None]:
+    """One call, one step of the Trainer's train_step over the next synthetic batch."""
     trainer = ddp_trainer(spec, precision, channels_last, overrides)
     trainer.model.train()
     batches = iter(trainer.loaders.train)
-    return _timed(spec, lambda: trainer.train_step([next(batches)]))
+    return lambda: trainer.train_step([next(batches)])
+
+
+def time_ddp(spec: StepSpec, precision: str, channels_last: bool, overrides: tuple[str, ...] = ()) -> float:
+    """Seconds for `spec.steps` of the Trainer's train_step, after the warm-up."""
+    return _timed(spec, ddp_step(spec, precision, channels_last, overrides))
+
+
+def plain_ddp(spec: StepSpec, model_cfg: ModelConfig, channels_last: bool) -> DistributedDataParallel:
+    """`DistributedDataParallel(model)` with its defaults, on the rank's device (seeded as ddp's)."""
+    device = bench_device(spec)
+    torch.manual_seed(0)
+    model = build_model(model_cfg, spec.classes, spec.image_size)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=memory_format)
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
 
 def time_tutorial(spec: StepSpec, precision: str, channels_last: bool) -> float:
     """Seconds for `spec.steps` of the DDP tutorial's loop, after the warm-up."""
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(name=spec.model), spec.classes, spec.image_size)
+    device = bench_device(spec)
+    ddp = plain_ddp(spec, ModelConfig(name=spec.model), channels_last)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    ddp = DistributedDataParallel(model.to(memory_format=memory_format))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
     batches = iter(loader(spec, as_float=True))
 
     def step() -> None:
         x, y = next(batches)
-        x = x.contiguous(memory_format=memory_format)
+        x = x.to(device).contiguous(memory_format=memory_format)
         optimizer.zero_grad()
-        with autocast(CPU, precision):
-            loss = loss_fn(ddp(x), y)
+        with autocast(device, precision):
+            loss = loss_fn(ddp(x), y.to(device))
         loss.backward()
         optimizer.step()
 
     return _timed(spec, step)
+
+
+def bare_step(spec: StepSpec, precision: str, channels_last: bool) -> Callable[[], None]:
+    """One call, one step of a bare DDP loop over ddp's own batches, optimizer, loss and precision."""
+    cfg = step_config(spec, precision, channels_last)
+    device = bench_device(spec)
+    ddp = plain_ddp(spec, cfg.model, channels_last)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    optimizer = build_optimizer(cfg.optim, ddp.module, cfg.lr(dist.get_world_size()), cfg.model)
+    loss_fn = loss_function(cfg)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
+    batches = iter(loader(spec, as_float=False))
+
+    def step() -> None:
+        batch = next(batches)
+        x = batch.images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()
+        x = x.sub_(mean).div_(std).contiguous(memory_format=memory_format)
+        y = batch.labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=AUTOCAST.get(precision, torch.float32),
+                            enabled=precision != "fp32"):
+            loss = loss_fn(ddp(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_bare(spec: StepSpec, precision: str, channels_last: bool) -> float:
+    """Seconds for `spec.steps` of the bare DDP loop, after the warm-up."""
+    return _timed(spec, bare_step(spec, precision, channels_last))
+
+
+def paired_step_seconds(spec: StepSpec, precision: str, channels_last: bool) -> dict[str, list[float]]:
+    """Seconds of each of `rounds` x `steps` steps of ddp's step, ddp's with the EMA and the bare loop,
+    built side by side and stepped in turn (the order rotating), so that load from elsewhere falls on all
+    three alike: their medians compare the loops to a few per cent on a busy machine, where whole rounds
+    of one loop at a time do not."""
+    spec = replace(spec, steps=spec.rounds * spec.steps)
+    steps = {"ddp": ddp_step(spec, precision, channels_last),
+             "bare": bare_step(spec, precision, channels_last),
+             "ddp_ema": ddp_step(spec, precision, channels_last, EMA)}
+    names, device = list(steps), bench_device(spec)
+    for _ in range(spec.warmup):
+        for step in steps.values():
+            step()
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(spec.steps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            started = settled(device)
+            steps[name]()
+            seconds[name].append(settled(device) - started)
+    return seconds
 
 
 def ema_ms(spec: StepSpec, precision: str, channels_last: bool) -> float:
@@ -156,13 +265,39 @@ def ema_ms(spec: StepSpec, precision: str, channels_last: bool) -> float:
     return _timed(spec, lambda: trainer.ema.update(module)) / spec.steps * 1e3
 
 
+def host_syncs(spec: StepSpec, precision: str, channels_last: bool) -> dict:
+    """The synchronising CUDA calls (torch's sync debug mode, "warn") in each timed train_step, after the
+    warm-up, and the code lines that made them (the batch is fetched outside the count)."""
+    trainer = ddp_trainer(spec, precision, channels_last)
+    trainer.model.train()
+    batches = iter(trainer.loaders.train)
+    for _ in range(spec.warmup):
+        trainer.train_step([next(batches)])
+    counts = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(spec.steps):
+            micro, before = [next(batches)], len(seen)
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.train_step(micro)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            counts.append(sum(SYNC_WARNING in str(w.message) for w in seen[before:]))
+    lines = {f"{w.filename}:{w.lineno}" for w in seen if SYNC_WARNING in str(w.message)}
+    return {"per_step": counts, "from": sorted(lines)}
+
+
 def _timed(spec: StepSpec, step) -> float:
+    device = bench_device(spec)
     for _ in range(spec.warmup):
         step()
+    settled(device)
     dist.barrier()
     started = time.perf_counter()
     for _ in range(spec.steps):
         step()
+    settled(device)
     dist.barrier()
     return time.perf_counter() - started
 
@@ -174,17 +309,18 @@ def phase_seconds(spec: StepSpec, precision: str, channels_last: bool, sync: boo
     trainer.model.train()
     batches = iter(trainer.loaders.train)
     totals = dict.fromkeys(PHASES, 0.0)
+    device = trainer.ctx.device
     for i in range(spec.warmup + spec.steps):
-        marks = [time.perf_counter()]
+        marks = [settled(device)]
         batch = next(batches)
-        marks.append(time.perf_counter())
+        marks.append(settled(device))
         with trainer.gradient_sync(sync):
             loss = trainer.forward_loss(batch)
-            marks.append(time.perf_counter())
+            marks.append(settled(device))
             trainer.backward(loss)
-        marks.append(time.perf_counter())
+        marks.append(settled(device))
         trainer.optimizer_step()
-        marks.append(time.perf_counter())
+        marks.append(settled(device))
         if i >= spec.warmup:
             for phase, start, end in zip(PHASES, marks[:-1], marks[1:], strict=True):
                 totals[phase] += end - start
@@ -206,24 +342,43 @@ def breakdown(spec: StepSpec, precision: str, channels_last: bool) -> dict[str, 
     return out
 
 
+def peak_and_seconds(spec: StepSpec, timer, *args) -> tuple[float, float | None]:
+    """`timer(spec, *args)`'s seconds, and on CUDA the peak memory (MiB) it allocated."""
+    cuda = spec.device == "cuda"
+    if cuda:
+        gc.collect()  # the previous variant's model and optimizer (DDP holds reference cycles)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    seconds = timer(spec, *args)
+    return seconds, torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+
+
 def _step_worker(rank: int, world_size: int, spec: StepSpec, fast: str) -> dict | None:
-    variants = [("ddp", fast, True), ("ddp", "fp32", False), ("tutorial", "fp32", False),
-                ("tutorial", fast, True), ("ddp_ema", fast, True)]
-    timers = {"ddp": time_ddp, "tutorial": time_tutorial,
+    variants = [("ddp_ema", fast, True), ("bare", fast, True), ("ddp", fast, True), ("ddp", "fp32", False),
+                ("tutorial", "fp32", False), ("tutorial", fast, True)]
+    timers = {"ddp": time_ddp, "tutorial": time_tutorial, "bare": time_bare,
               "ddp_ema": lambda *args: time_ddp(*args, overrides=EMA)}
-    seconds = {v: 0.0 for v in variants}
+    seconds: dict[tuple, list[float]] = {v: [] for v in variants}
+    peaks: dict[tuple, float] = {}
     for r in range(spec.rounds):
-        for loop, precision, channels_last in variants[r % len(variants):] + variants[:r % len(variants)]:
-            seconds[(loop, precision, channels_last)] += timers[loop](spec, precision, channels_last)
+        for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
+            s, peak = peak_and_seconds(spec, timers[variant[0]], *variant[1:])
+            seconds[variant].append(s)
+            if peak is not None:
+                peaks[variant] = max(peak, peaks.get(variant, 0.0))
+    paired = paired_step_seconds(spec, fast, True)
     parts = breakdown(spec, fast, True)
     ema = ema_ms(spec, fast, True)
+    syncs = host_syncs(spec, fast, True) if spec.device == "cuda" else None
     if rank:
         return None
     images = spec.rounds * spec.steps * spec.batch_size * world_size
     rows = [{"loop": loop, "precision": precision, "channels_last": channels_last, "images": images,
-             "seconds": s, "images_per_second": images / s}
+             "seconds": sum(s), "images_per_second": images / sum(s),
+             **({"peak_memory_mib": peaks[(loop, precision, channels_last)]} if peaks else {})}
             for (loop, precision, channels_last), s in seconds.items()]
-    return {"rows": rows, "breakdown": parts, "ema_ms": ema}
+    paired_ms = {name: statistics.median(s) * 1e3 for name, s in paired.items()}
+    return {"rows": rows, "breakdown": parts, "ema_ms": ema, "host_syncs": syncs, "paired_ms": paired_ms}
 
 
 def step_header(bench: str, spec: StepSpec, world_size: int, threads: int) -> dict:
@@ -234,9 +389,11 @@ def step_header(bench: str, spec: StepSpec, world_size: int, threads: int) -> di
 
 
 def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
-    """Run the variants in `world_size` gloo workers of `threads` threads each; the shared bench dict."""
-    fast = resolve_precision("auto", CPU)
-    out = run_workers(_step_worker, world_size, spec, fast, threads=threads)[0]
+    """Run the variants in `world_size` workers of `threads` threads each (gloo; NCCL on CUDA, a GPU
+    each); the shared bench dict."""
+    fast = resolve_precision("auto", torch.device(spec.device))
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    out = run_workers(_step_worker, world_size, spec, fast, threads=threads, backend=backend)[0]
     rate = {(r["loop"], r["precision"], r["channels_last"]): r["images_per_second"] for r in out["rows"]}
     return {
         **step_header("step", spec, world_size, threads),
@@ -247,6 +404,11 @@ def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
         "ratio_equal_fp32": rate[("ddp", "fp32", False)] / rate[("tutorial", "fp32", False)],
         "ratio_equal_fast": rate[("ddp", fast, True)] / rate[("tutorial", fast, True)],
         "ratio_ema_vs_defaults": rate[("ddp_ema", fast, True)] / rate[("ddp", fast, True)],
+        "paired_step_ms": out["paired_ms"],
+        "ratio_vs_bare": out["paired_ms"]["bare"] / out["paired_ms"]["ddp"],
+        "ratio_ema_vs_bare": out["paired_ms"]["bare"] / out["paired_ms"]["ddp_ema"],
+        **({"host_syncs_per_step": out["host_syncs"]["per_step"],
+            "host_syncs_from": out["host_syncs"]["from"]} if out["host_syncs"] else {}),
         "ema_ms": out["ema_ms"],
         "ema_share_of_step": out["ema_ms"] / out["breakdown"]["step_ms"],
     }

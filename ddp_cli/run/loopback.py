@@ -39,13 +39,15 @@ def free_port() -> int:
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, threads: int, port: int,
-               results: Any, timeout_s: float, args: tuple) -> None:
+               results: Any, timeout_s: float, backend: str, args: tuple) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as e:  # reported to the parent, which raises it as one line
@@ -56,16 +58,18 @@ def _rank_main(fn: Callable, rank: int, world_size: int, threads: int, port: int
 
 
 def run_workers(fn: Callable, world_size: int, *args: Any, threads: int = 1,
-                timeout: float = TIMEOUT_S) -> list[Any]:
-    """Every rank's return value of `fn(rank, world_size, *args)`, run in `world_size` gloo processes.
+                timeout: float = TIMEOUT_S, backend: str = "gloo") -> list[Any]:
+    """Every rank's return value of `fn(rank, world_size, *args)`, run in `world_size` gloo processes
+    (`backend="nccl"`: NCCL ones, rank r on GPU r).
 
     `fn` must be a module-level function (spawned processes import it).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, threads, port, results, timeout, args),
-                         daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(fn, r, world_size, threads, port, results, timeout, backend, args))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     deadline, outcome = time.monotonic() + timeout, {}

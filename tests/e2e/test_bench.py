@@ -24,7 +24,7 @@ def test_bench_step_rows_ratios_and_breakdown():
     assert fast in ("bf16", "fp32")
     rate = {(r["loop"], r["precision"], r["channels_last"]): r["images_per_second"] for r in out["rows"]}
     assert set(rate) == {("ddp", fast, True), ("ddp", "fp32", False), ("tutorial", "fp32", False),
-                         ("tutorial", fast, True), ("ddp_ema", fast, True)}
+                         ("tutorial", fast, True), ("ddp_ema", fast, True), ("bare", fast, True)}
     for row in out["rows"]:
         assert row["images"] == 1 * 1 * 4 * 2  # rounds x steps x batch x world
         assert abs(row["images_per_second"] - row["images"] / row["seconds"]) < 1e-6
@@ -34,6 +34,12 @@ def test_bench_step_rows_ratios_and_breakdown():
     assert abs(out["ratio_equal_fast"] - rate[("ddp", fast, True)] / rate[("tutorial", fast, True)]) < 1e-9
     ema, defaults = rate[("ddp_ema", fast, True)], rate[("ddp", fast, True)]
     assert abs(out["ratio_ema_vs_defaults"] - ema / defaults) < 1e-9
+    paired = out["paired_step_ms"]  # median step of each loop, stepped in turn
+    assert set(paired) == {"ddp", "ddp_ema", "bare"} and all(ms > 0 for ms in paired.values())
+    assert abs(out["ratio_vs_bare"] - paired["bare"] / paired["ddp"]) < 1e-9
+    assert abs(out["ratio_ema_vs_bare"] - paired["bare"] / paired["ddp_ema"]) < 1e-9
+    assert "host_syncs_per_step" not in out  # CPU
+    assert out["device"] == "cpu" and all("peak_memory_mib" not in row for row in out["rows"])
     assert out["ema_ms"] > 0
     assert abs(out["ema_share_of_step"] - out["ema_ms"] / out["breakdown"]["step_ms"]) < 1e-9
     parts = out["breakdown"]

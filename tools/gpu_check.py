@@ -1,0 +1,371 @@
+"""`make gpu-check`: prove in at most ten minutes that ddp trains on this machine's GPUs.
+
+Every stage runs `ddp` as a user would (a subprocess, the shipped configs with
+`--set`), within its own time budget and the whole check's (`TOTAL_S`): the
+driver and build (`ddp env`), tests/cuda, ResNet-50 for two short epochs on
+generated JPEGs (checkpoints every few steps, EMA), a resume from a mid-epoch
+checkpoint, validate (`--per-class`, `--predictions`), predict and export, one
+short epoch each with fp16, bf16, PowerSGD, SyncBatchNorm and torch.compile,
+and `ddp bench step --device cuda`: ddp's step against a bare DDP loop on the
+same tensors (images/s and peak memory) and the host syncs in ddp's step.
+A stage that fails does not stop the others; one that needs a failed stage's
+output is skipped, saying which. The outcome is one JSON report (its path is
+printed) and a one-screen summary.
+
+Exit 0: every stage held; 1: one or more did not; 2: no CUDA GPU here (nothing run).
+    python tools/gpu_check.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TOTAL_S = 600  # the whole check, every stage's budget capped by what is left of it
+CLASSES, PER_CLASS, VAL = 10, 32, 64  # generated JPEGs: 320 train, 64 val
+TRAIN_SETS = ('data.dataset="jpegs"', "data.batch_size=16", 'data.workers="auto"',
+              "train.max_steps_per_epoch=8", "logging.every_steps=2")
+EVERY = 3  # checkpoint.every_steps of the two-epoch run
+BENCH = ("--device", "cuda", "--model", "resnet50", "--image-size", "224", "--batch-size", "64",
+         "--world-size", "1", "--steps", "10", "--rounds", "3")
+RATIO, RATIO_EMA, PEAK = 0.98, 0.97, 1.05  # ddp's step vs the bare loop: images/s, with EMA; peak memory
+
+
+class Failed(Exception):
+    """A check that did not hold: its one line, and what the stage measured so far."""
+
+    def __init__(self, message: str, data: dict | None = None) -> None:
+        super().__init__(message)
+        self.data = data or {}
+
+
+class Skipped(Exception):
+    """A stage that cannot mean anything on this machine (bf16 on a GPU without it): not a failure."""
+
+
+@dataclass
+class Outcome:
+    stage: str
+    status: str  # ok | failed | skipped | not run
+    seconds: float
+    budget_s: float
+    detail: str
+    data: dict = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    """What stages share: the work folder, each stage's results, the deadlines and the `ddp` runner."""
+
+    work: Path
+    results: dict[str, dict] = field(default_factory=dict)
+    deadline: float = math.inf  # the running stage's: its budget or the whole check's, whichever is first
+    clock: Callable[[], float] = time.monotonic
+
+    def seconds_left(self) -> float:
+        left = self.deadline - self.clock()
+        if left <= 0:
+            raise Failed("out of time (its budget)")
+        return left
+
+    def run(self, *argv: str) -> subprocess.CompletedProcess:
+        """A command in its own process group, killed whole when the stage's time is up."""
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            out, err = proc.communicate(timeout=self.seconds_left())
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise Failed(f"`{' '.join(argv[:4])} ...` ran out of the stage's time") from None
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    def ddp(self, *args: str) -> Any:
+        """`ddp ARGS... --json` as a user runs it; its JSON (the last stdout line), or Failed with the
+        error line."""
+        done = self.run(*ddp_command(), *args, "--json")
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0:
+            why = lines[-1] if lines else (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise Failed(f"ddp {args[0]} exited {done.returncode}: {why}")
+        return json.loads(lines[-1])
+
+
+def ddp_command() -> list[str]:
+    """The `ddp` beside this Python (the venv's), else the module."""
+    script = Path(sys.executable).with_name("ddp")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ddp_cli"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    budget_s: float
+    check: Callable[[Context], tuple[str, dict]]  # (one line, data) or raises Failed / Skipped
+    needs: tuple[str, ...] = ()
+
+
+def run_stages(stages: list[Stage], ctx: Context, total_s: float = TOTAL_S) -> list[Outcome]:
+    """Each stage within min(its budget, what is left of `total_s`); a stage's failure is its own."""
+    end = ctx.clock() + total_s
+    outcomes: list[Outcome] = []
+    for stage in stages:
+        started = ctx.clock()
+        missing = [n for n in stage.needs if n not in ctx.results]
+        if started >= end or missing:
+            why = f"needs {', '.join(missing)}" if missing else f"the check's {total_s:.0f} s were spent"
+            outcomes.append(Outcome(stage.name, "not run", 0.0, stage.budget_s, why))
+            continue
+        ctx.deadline = min(started + stage.budget_s, end)
+        status, data = "ok", {}
+        try:
+            detail, data = stage.check(ctx)
+            ctx.results[stage.name] = data
+        except Failed as e:
+            status, detail, data = "failed", str(e), e.data
+        except Skipped as e:
+            status, detail = "skipped", str(e)
+        except Exception as e:  # noqa: BLE001 - a bug in one stage must not hide the others
+            status, detail = "failed", f"{type(e).__name__}: {e}"
+        outcomes.append(Outcome(stage.name, status, ctx.clock() - started, stage.budget_s, detail, data))
+    return outcomes
+
+
+def held(outcomes: list[Outcome]) -> bool:
+    return all(o.status in ("ok", "skipped") for o in outcomes)
+
+
+def require(condition: bool, message: str, data: dict) -> None:
+    if not condition:
+        raise Failed(message, data)
+
+
+# ---- the stages -------------------------------------------------------------------------------------
+
+
+def check_driver(ctx: Context) -> tuple[str, dict]:
+    env = ctx.ddp("env")
+    require(not env["gpu_problem"], f"{env['gpu_problem']}", env)
+    require(env["cuda_available"] and env["gpus"], "torch sees no CUDA GPU", env)
+    require(env["backends"]["nccl"], f"torch {env['torch']} has no NCCL", env)
+    require(env["backend_auto"] == "nccl" and env["nproc_per_node_auto"] == len(env["gpus"]),
+            f"auto settings: backend {env['backend_auto']}, {env['nproc_per_node_auto']} workers "
+            f"for {len(env['gpus'])} GPUs", env)
+    return (f"{len(env['gpus'])} x {env['gpus'][0].get('name', '?')}, torch {env['torch']} "
+            f"(CUDA {env['cuda']}), NCCL {env['nccl']}, precision auto = {env['precision_auto']}"), env
+
+
+def check_tests_cuda(ctx: Context) -> tuple[str, dict]:
+    done = ctx.run(sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider",
+                   "tests/cuda")
+    summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
+    data = {"summary": summary, "exit_code": done.returncode}
+    require(done.returncode == 0, f"pytest tests/cuda: {summary}", {**data, "tail": done.stdout[-3000:]})
+    return summary, data
+
+
+def check_data(ctx: Context) -> tuple[str, dict]:
+    root = ctx.work / "jpegs"
+    done = ctx.run(sys.executable, "benchmarks/make_jpegs.py", str(root), "--classes", str(CLASSES),
+                   "--per-class", str(PER_CLASS), "--val", str(VAL))
+    require(done.returncode == 0, f"make_jpegs.py exited {done.returncode}", {"stderr": done.stderr[-2000:]})
+    return done.stdout.strip(), {"registry": str(root / "data.toml"),
+                                 "val": str(root / "ILSVRC/Data/CLS-LOC/val")}
+
+
+def train(ctx: Context, run_dir: Path, *sets: str, resume: str = "never") -> dict:
+    """`ddp train configs/resnet50.toml` on the generated JPEGs, every GPU (nproc_per_node auto)."""
+    args = [a for s in (*TRAIN_SETS, *sets) for a in ("--set", s)]
+    return ctx.ddp("train", "configs/resnet50.toml", "--registry", ctx.results["data"]["registry"],
+                   "--run-dir", str(run_dir), "--resume", resume, *args)
+
+
+def trained_sanely(out: dict, epochs: int, what: str) -> None:
+    """Every val image counted, the epochs run, a finite loss."""
+    final = out.get("final") or {}
+    finite = math.isfinite(final.get("loss", math.nan))
+    require(out.get("epochs") == epochs and final.get("images") == VAL and finite,
+            f"{what}: epochs {out.get('epochs')}, val images {final.get('images')} (want {VAL}), "
+            f"loss {final.get('loss')}", out)
+
+
+def check_train(ctx: Context) -> tuple[str, dict]:
+    run_dir = ctx.work / "train"
+    out = train(ctx, run_dir, "train.epochs=2", f"checkpoint.every_steps={EVERY}", "train.ema_decay=0.999")
+    trained_sanely(out, 2, "two epochs")
+    require(out.get("final_ema") is not None, "no EMA validation in the summary", out)
+    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.pt"))
+    require((run_dir / "checkpoints" / "last.pt").exists() and steps, "no step checkpoints or last.pt", out)
+    # a mid-run step file: the every-N saves, not only the epoch ends
+    middle = [s for s in steps if int(s[5:-3]) % EVERY == 0]
+    require(bool(middle), f"no step checkpoint at a multiple of {EVERY} among {steps}", out)
+    data = {**out, "run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoints" / "last.pt"),
+            "resume_from": str(run_dir / "checkpoints" / middle[0])}
+    return (f"{out['world_size']} GPUs, {out['precision']}, top-1 {out['final']['top1']:.3f}, "
+            f"{out['images_per_second']:.0f} img/s, step files {', '.join(steps)}"), data
+
+
+def check_resume(ctx: Context) -> tuple[str, dict]:
+    start = ctx.results["train"]["resume_from"]
+    out = train(ctx, ctx.work / "resume", "train.epochs=2", "train.ema_decay=0.999", resume=start)
+    trained_sanely(out, 2, "resumed")
+    return f"from {Path(start).name}: top-1 {out['final']['top1']:.3f}", out
+
+
+def check_validate(ctx: Context) -> tuple[str, dict]:
+    predictions = ctx.work / "predictions.csv"
+    out = ctx.ddp("validate", "--checkpoint", ctx.results["train"]["checkpoint"], "--registry",
+                  ctx.results["data"]["registry"], "--per-class", "--predictions", str(predictions))
+    rows = predictions.read_text().splitlines()[1:] if predictions.exists() else []
+    require(out.get("images") == VAL and len(out.get("per_class", [])) == CLASSES and len(rows) == VAL,
+            f"validate: {out.get('images')} images, {len(out.get('per_class', []))} classes, "
+            f"{len(rows)} prediction rows (want {VAL}, {CLASSES}, {VAL})", out)
+    return f"top-1 {out['top1']:.3f} on {VAL} images, per-class and predictions written", out
+
+
+def check_predict(ctx: Context) -> tuple[str, dict]:
+    done = ctx.run(*ddp_command(), "predict", "--checkpoint", ctx.results["train"]["checkpoint"],
+                   ctx.results["data"]["val"], "--topk", "3", "--json")
+    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    good = [a for a in answers if "error" not in a]
+    require(done.returncode == 0 and len(good) == VAL,
+            f"predict exited {done.returncode}: {len(good)} of {VAL} images predicted",
+            {"answers": answers[:3], "stderr": done.stderr[-2000:]})
+    return f"{len(good)} images, top-3 each", {"first": good[0]}
+
+
+def check_export(ctx: Context) -> tuple[str, dict]:
+    target = ctx.work / "resnet50.ts"
+    out = ctx.ddp("export", "--checkpoint", ctx.results["train"]["checkpoint"], "--format", "torchscript",
+                  "--out", str(target))
+    require(target.exists() and target.stat().st_size > 0, f"export wrote no {target}", out)
+    return f"TorchScript, {target.stat().st_size / 2**20:.0f} MiB", out
+
+
+def one_epoch(name: str, *sets: str, want: Callable[[dict], bool] = lambda out: True) -> Callable:
+    """A stage: one short epoch with `sets`, trained sanely and, per `want`, as asked."""
+
+    def check(ctx: Context) -> tuple[str, dict]:
+        if name == "bf16" and not bf16_native(ctx.results.get("driver", {})):
+            raise Skipped("the GPU has no bf16 (compute capability below 8.0)")
+        out = train(ctx, ctx.work / name, "train.epochs=1", *sets)
+        trained_sanely(out, 1, name)
+        require(want(out), f"{name}: the run's summary says otherwise ({out.get('precision')})", out)
+        rate = out["images_per_second"]
+        return f"{out['precision']}, loss {out['final']['loss']:.3f}, {rate:.0f} img/s", out
+
+    return check
+
+
+def bf16_native(env: dict) -> bool:
+    """Whether `ddp env` found every GPU at compute capability 8.0+ (its "8.6"; unknown: assume so)."""
+    caps = [tuple(int(part) for part in gpu["capability"].split("."))
+            for gpu in env.get("gpus", []) if gpu.get("capability")]
+    return not caps or min(caps) >= (8, 0)
+
+
+def check_step(ctx: Context) -> tuple[str, dict]:
+    out = ctx.ddp("bench", "step", *BENCH)
+    fast = out["fast_precision"]
+    rows = {r["loop"]: r for r in out["rows"] if r["channels_last"] and r["precision"] == fast}
+    ddp, bare = rows["ddp"], rows["bare"]
+    syncs = out.get("host_syncs_per_step", [])
+    peak = ddp["peak_memory_mib"] / bare["peak_memory_mib"]
+    line = (f"ddp {ddp['images_per_second']:.0f} img/s vs bare {bare['images_per_second']:.0f}: "
+            f"x{out['ratio_vs_bare']:.3f}, with EMA x{out['ratio_ema_vs_bare']:.3f}; "
+            f"peak memory x{peak:.2f}; host syncs per step {syncs}")
+    require(out["ratio_vs_bare"] >= RATIO and out["ratio_ema_vs_bare"] >= RATIO_EMA,
+            f"{line} (want >= {RATIO}, >= {RATIO_EMA} with EMA)", out)
+    require(peak <= PEAK, f"{line} (want peak memory <= x{PEAK})", out)
+    require(bool(syncs) and max(syncs) == 0, f"{line}, from {out.get('host_syncs_from')} (want none)", out)
+    return line, out
+
+
+STAGES = [
+    Stage("driver", 30, check_driver),
+    Stage("tests_cuda", 150, check_tests_cuda, ("driver",)),
+    Stage("data", 60, check_data),
+    Stage("train", 120, check_train, ("driver", "data")),
+    Stage("resume", 60, check_resume, ("train",)),
+    Stage("validate", 45, check_validate, ("train",)),
+    Stage("predict", 30, check_predict, ("train",)),
+    Stage("export", 30, check_export, ("train",)),
+    Stage("fp16", 45, one_epoch("fp16", 'train.precision="fp16"', want=lambda o: o["precision"] == "fp16"),
+          ("driver", "data")),
+    Stage("bf16", 45, one_epoch("bf16", 'train.precision="bf16"', want=lambda o: o["precision"] == "bf16"),
+          ("driver", "data")),
+    Stage("powersgd", 45, one_epoch("powersgd", 'distributed.reduce="powersgd"',
+                                    "distributed.powersgd_warmup_steps=2"), ("driver", "data")),
+    Stage("syncbn", 45, one_epoch("syncbn", "model.sync_batchnorm=true"), ("driver", "data")),
+    Stage("compile", 150, one_epoch("compile", "train.compile=true"), ("driver", "data")),
+    Stage("step", 120, check_step, ("driver",)),
+]
+
+
+# ---- the report ---------------------------------------------------------------------------------------
+
+
+def report(outcomes: list[Outcome], path: Path, total_s: float) -> dict:
+    """The JSON report, written to `path`."""
+    doc = {"held": held(outcomes), "total_budget_s": total_s, "seconds": sum(o.seconds for o in outcomes),
+           "stages": [asdict(o) for o in outcomes]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return doc
+
+
+def summary(outcomes: list[Outcome], path: Path, console: Any = None) -> None:
+    """One screen: a row per stage (status, time of budget, its one line), then the verdict and report."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    colour = {"ok": "green", "failed": "red", "skipped": "yellow", "not run": "red"}
+    table = Table("stage", "status", "s / budget", title="ddp gpu-check", title_justify="left")
+    table.add_column("result", overflow="fold")
+    for o in outcomes:
+        table.add_row(o.stage, f"[{colour[o.status]}]{o.status}[/]", f"{o.seconds:.0f} / {o.budget_s:.0f}",
+                      o.detail)
+    console.print(table)
+    verdict = "[green]all held[/]" if held(outcomes) else "[red]not all held[/]"
+    console.print(f"{verdict}; report: {path}", soft_wrap=True)
+
+
+def gpu_here() -> bool:
+    """A CUDA GPU torch can use, or one the driver shows that it cannot (the driver stage says why)."""
+    from ddp_cli.distributed.gpus import node_gpus, torch_sees_gpus
+
+    return torch_sees_gpus() or bool(node_gpus())
+
+
+def main(argv: list[str] | None = None, stages: list[Stage] | None = None, total_s: float = TOTAL_S) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / f"gpu-check-{stamp}",
+                        help="work folder: runs, data and report.json")
+    args = parser.parse_args(argv)
+    if stages is None and not gpu_here():
+        print("gpu-check: no CUDA GPU on this machine (torch and the NVIDIA driver see none); run it on a "
+              "machine with one", file=sys.stderr)
+        return 2
+    ctx = Context(args.out)
+    outcomes = run_stages(STAGES if stages is None else stages, ctx, total_s)
+    path = args.out / "report.json"
+    report(outcomes, path, total_s)
+    summary(outcomes, path)
+    return 0 if held(outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
