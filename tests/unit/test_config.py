@@ -82,6 +82,9 @@ def test_unknown_key_in_nested_section_suggests_the_right_field(tmp_path):
     path = write(tmp_path, "[data]\nbatchsize = 8\n")
     with pytest.raises(ConfigError, match=r"data\.batchsize: unknown key \(did you mean 'batch_size'"):
         load_config(path)
+    deeper = write(tmp_path, "[logging.wandb]\nproject = 'p'\nnmae = 'x'\n")  # two sections down
+    with pytest.raises(ConfigError, match=r"logging\.wandb\.nmae: unknown key \(did you mean 'name'"):
+        load_config(deeper)
 
 
 @pytest.mark.parametrize(("text", "key"), [
@@ -178,8 +181,11 @@ def test_the_config_is_frozen_and_resolved_only_as_a_validated_copy():
         cfg.name = "other"
     resolved = cfg.resolved({"data.workers": 3, "logging.wandb.project": "p"})
     assert (resolved.data.workers, resolved.logging.wandb.project, cfg.data.workers) == (3, "p", "auto")
-    with pytest.raises(ConfigError, match="data.workers"):
+    assert (resolved.data.batch_size, resolved.train.grad_accum) == (16, 2)  # the rest of a section kept
+    with pytest.raises(ConfigError, match=r"^resolved config: data\.workers: "):
         cfg.resolved({"data.workers": -1})
+    with pytest.raises(ConfigError, match=r"^--set: data\.workers: "):
+        cfg.resolved({"data.workers": -1}, "--set")
 
 
 @pytest.mark.parametrize(("raw", "world", "batch", "lr"), [
