@@ -116,7 +116,8 @@ def test_the_cache_folder_is_the_endpoint_or_protocol_then_bucket_and_prefix(tmp
     assert cache_folder(FakeS3(skip_instance_cache=True), "bucket", tmp_path) == tmp_path / "s3/bucket"
     assert cache_folder(aws, "bucket", None) is None and cache_folder(aws, "bucket", "") is None
     assert cache_folder(FS, str(tmp_path), tmp_path / "cache") is None  # local roots are read in place
-    assert FileReader(aws, "bucket/data/", tmp_path).cache == tmp_path / "s3/bucket/data"
+    assert cache_folder(MemoryFileSystem(skip_instance_cache=True), "b", tmp_path) == tmp_path / "memory/b"
+    assert FileReader(aws, "bucket/dataX/", tmp_path).cache == tmp_path / "s3/bucket/dataX"
 
 
 def test_a_forked_reader_opens_a_filesystem_of_its_own_once():
