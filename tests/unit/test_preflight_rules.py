@@ -58,8 +58,11 @@ def test_a_weights_file_is_made_absolute_and_a_weight_name_stays_a_name(tmp_path
 
 def test_sync_batchnorm_is_refused_on_cpu_only():
     on = ModelConfig(sync_batchnorm=True)
-    with pytest.raises(ConfigError, match=r"^model\.sync_batchnorm: torch's SyncBatchNorm runs on CUDA only"):
+    with pytest.raises(ConfigError) as refused:
         preflight.check_sync_batchnorm(on, "cpu")
+    assert str(refused.value) == (
+        "model.sync_batchnorm: torch's SyncBatchNorm runs on CUDA only and these workers train on CPU "
+        "(gloo); set model.sync_batchnorm = false (each worker then normalises with its own batch)")
     preflight.check_sync_batchnorm(on, "cuda")
     preflight.check_sync_batchnorm(ModelConfig(sync_batchnorm=False), "cpu")
 
@@ -111,6 +114,8 @@ def test_preflight_keeps_what_its_checks_computed(loader_rule):
     assert plan.loaders.rule == "as set" and loader_rule["choose"][1]["train"] is True
     assert plan.model.head[-1].out_features == 3 and plan.model.head[-1].weight.is_meta
     assert plan.steps_per_epoch == 8  # 1000 images // 6 ranks // batch 10 = 16 batches, 2 per step
+    assert isinstance(plan.steps_per_epoch, int)  # whole batches: the plan prints 8, not 8.0
+    assert loader_rule["choose"][0][6] is plan.model  # the auto rule times this model
     assert plan.global_batch == 120 and plan.lr == pytest.approx(0.64 * 120 / 256)
     assert list(clock.phases) == ["index", "model_check", "data_workers"]
 
@@ -123,8 +128,11 @@ def test_preflight_without_a_clock_and_its_first_refusals(loader_rule, tmp_path)
         preflight.preflight(cfg, SimpleNamespace(result=lambda: fake_dataset(59)), CPU_WORKERS)
     with pytest.raises(ConfigError, match="^--resume"):
         preflight.preflight(cfg, build, CPU_WORKERS, str(tmp_path / "gone.pt"))
+    synced = cfg.resolved({"model.sync_batchnorm": True})
     with pytest.raises(ConfigError, match="^model.sync_batchnorm"):
-        preflight.preflight(cfg.resolved({"model.sync_batchnorm": True}), build, CPU_WORKERS)
+        preflight.preflight(synced, build, CPU_WORKERS)
+    gpu_workers = preflight.Workers(nproc=2, nnodes=3, backend="nccl", device="cuda", precision="fp32")
+    assert preflight.preflight(synced, build, gpu_workers).cfg.model.sync_batchnorm
 
 
 def test_validate_meets_its_launchs_workers_and_a_model_for_the_checkpoints_classes(monkeypatch):
@@ -148,3 +156,21 @@ def test_our_launch_checks_the_rendezvous_warns_of_loopback_and_places_its_worke
     assert workers == preflight.Workers(nproc=3, nnodes=2, backend="gloo", device="cpu", precision="fp32")
     assert seen == {"rendezvous": (opts, cfg.distributed), "loopback": (2, "head:29500", os.environ),
                     "nproc": (opts, cfg.distributed)}
+
+
+def test_workers_take_a_gpu_each_where_the_driver_shows_enough(monkeypatch):
+    monkeypatch.setattr(preflight, "cuda_devices", lambda: 2)  # counted through the driver: CUDA untouched
+    cfg = RunConfig().resolved({"distributed.backend": "auto", "train.precision": "fp16"})
+    assert preflight.place_workers(cfg, 2, 1) == preflight.Workers(2, 1, "nccl", "cuda", "fp16")
+    with pytest.raises(ConfigError, match="this node has 2 for 3 workers"):
+        preflight.place_workers(cfg, 3, 1)
+
+
+def test_gpus_torch_cannot_use_refuse_any_backend_but_gloo(monkeypatch):
+    monkeypatch.setattr("ddp_cli.distributed.setup.gpu_problem", lambda: "the driver is too old")
+    monkeypatch.setattr(preflight, "cuda_devices", lambda: 0)
+    fp32 = {"train.precision": "fp32"}
+    with pytest.raises(ConfigError, match="^distributed.backend = 'auto': the driver is too old"):
+        preflight.place_workers(RunConfig().resolved(fp32), 1, 1)
+    gloo = RunConfig().resolved({**fp32, "distributed.backend": "gloo"})
+    assert preflight.place_workers(gloo, 1, 1).device == "cpu"
