@@ -250,6 +250,8 @@ def test_progressive_sizes_are_every_train_crop_and_the_val_crop():
     assert cfg.sizes(8) == {128, 160, 192, 224, 256, 288}
     assert cfg.sizes(3) == {128, 288}
     assert DataConfig(image_size=224).sizes(3) == {224}
+    off_grid = DataConfig(image_size=128, min_image_size=48, ramp_epochs=[2, 6])
+    assert [off_grid.train_size(e) for e in (1, 2, 3)] == [48, 48, 64]  # the ramp's first epoch: still 48
 
 
 @pytest.mark.parametrize(("raw", "message"), [
