@@ -37,6 +37,7 @@ class Remote(MemoryFileSystem):
         self.store, self.pseudo_dirs = {}, [""]  # not MemoryFileSystem's class-wide ones
         self.reads: list[str] = []
         self.options: list[dict] = []  # each read's keyword arguments
+        self.threads: set[str] = set()  # the names of the threads that read
         self.in_flight = self.peak = 0
         self.lock = threading.Lock()
         self.barrier = threading.Barrier(together, timeout=10) if together else None
@@ -59,6 +60,7 @@ class Remote(MemoryFileSystem):
         with self.lock:
             self.reads.append(path)
             self.options.append(kwargs)
+            self.threads.add(threading.current_thread().name)
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
             first = len(self.reads) <= (self.barrier.parties if self.barrier else 0)
@@ -98,6 +100,7 @@ def test_a_batch_is_read_with_several_requests_in_flight_each_file_once():
     assert [reader.read(p) for p in batch] == [FILES[p] for p in batch]
     assert len(fs.reads) == len(FILES)  # the reads took what was fetched
     assert all(o == {"max_concurrency": 1} for o in fs.options)  # s3fs: one GET, no HEAD for the size
+    assert all(name.startswith("fetch_") for name in fs.threads)  # as stack dumps (py-spy) name them
     pool = reader._threads[1]
     reader.prefetch(["f0.jpg", "f1.jpg"])
     assert reader._threads[1] is pool and pool._max_workers == 4  # one pool of io_concurrency threads
