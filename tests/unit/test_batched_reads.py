@@ -11,6 +11,7 @@ import fsspec
 import pytest
 import torch
 from botocore.exceptions import ClientError
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from synthetic import make_imagefolder, make_imagenet_loc, plant
 
@@ -35,6 +36,8 @@ class Remote(MemoryFileSystem):
         super().__init__(**kwargs)
         self.store, self.pseudo_dirs = {}, [""]  # not MemoryFileSystem's class-wide ones
         self.reads: list[str] = []
+        self.options: list[dict] = []  # each read's keyword arguments
+        self.threads: set[str] = set()  # the names of the threads that read
         self.in_flight = self.peak = 0
         self.lock = threading.Lock()
         self.barrier = threading.Barrier(together, timeout=10) if together else None
@@ -56,6 +59,8 @@ class Remote(MemoryFileSystem):
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: object):
         with self.lock:
             self.reads.append(path)
+            self.options.append(kwargs)
+            self.threads.add(threading.current_thread().name)
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
             first = len(self.reads) <= (self.barrier.parties if self.barrier else 0)
@@ -94,6 +99,41 @@ def test_a_batch_is_read_with_several_requests_in_flight_each_file_once():
     assert sorted(fs.reads) == sorted(f"/root/{p}" for p in FILES)  # once each
     assert [reader.read(p) for p in batch] == [FILES[p] for p in batch]
     assert len(fs.reads) == len(FILES)  # the reads took what was fetched
+    assert all(o == {"max_concurrency": 1} for o in fs.options)  # s3fs: one GET, no HEAD for the size
+    assert all(name.startswith("fetch_") for name in fs.threads)  # as stack dumps (py-spy) name them
+    pool = reader._threads[1]
+    reader.prefetch(["f0.jpg", "f1.jpg"])
+    assert reader._threads[1] is pool and pool._max_workers == 4  # one pool of io_concurrency threads
+    reader._threads = (-1, pool)  # as a forked loader process inherits it: its threads are not there
+    reader.prefetch(["f0.jpg", "f1.jpg"])
+    assert reader._threads[1] is not pool
+
+
+@pytest.mark.parametrize(("concurrency", "paths", "fetched"), [
+    (2, ["f0.jpg", "f1.jpg"], 2),  # the least that is read together
+    (1, ["f0.jpg", "f1.jpg", "f2.jpg"], 0),  # one request at a time: read on demand
+    (4, ["f0.jpg", "f0.jpg"], 0),  # one file, twice
+])
+def test_a_batch_is_read_together_from_two_files_and_two_requests_in_flight(concurrency, paths, fetched):
+    fs = remote(FILES)
+    reader = FileReader(fs, "/root/", policy=IoPolicy(concurrency=concurrency))
+    reader.prefetch(paths)
+    assert len(fs.reads) == fetched and reader.read("f0.jpg") == FILES["f0.jpg"]
+    assert "/root/f0.jpg" in fs.reads and all(r.startswith("/root/f") for r in fs.reads)  # no "//"
+
+
+def test_a_remote_refusal_is_a_data_error_naming_the_object_and_a_local_one_an_os_error(tmp_path):
+    fs = remote(FILES)
+    fs.fail_once["/root/f4.jpg"] = PermissionError(13, "Access Denied")
+    with pytest.raises(DataError, match=r"^/root/f4\.jpg: access refused \(.*Access Denied\); check the AWS"):
+        FileReader(fs, "/root").read("f4.jpg")
+
+    class Refusing(LocalFileSystem):
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            raise PermissionError(13, "Permission denied", path)
+
+    with pytest.raises(PermissionError):  # a bad image, as a local root's other I/O errors
+        FileReader(Refusing(skip_instance_cache=True), str(tmp_path)).read("f4.jpg")
 
 
 def test_errors_reach_the_read_of_their_file_and_transient_ones_are_retried_and_counted(monkeypatch):

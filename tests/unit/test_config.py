@@ -82,6 +82,9 @@ def test_unknown_key_in_nested_section_suggests_the_right_field(tmp_path):
     path = write(tmp_path, "[data]\nbatchsize = 8\n")
     with pytest.raises(ConfigError, match=r"data\.batchsize: unknown key \(did you mean 'batch_size'"):
         load_config(path)
+    deeper = write(tmp_path, "[logging.wandb]\nproject = 'p'\nnmae = 'x'\n")  # two sections down
+    with pytest.raises(ConfigError, match=r"logging\.wandb\.nmae: unknown key \(did you mean 'name'"):
+        load_config(deeper)
 
 
 @pytest.mark.parametrize(("text", "key"), [
@@ -178,8 +181,11 @@ def test_the_config_is_frozen_and_resolved_only_as_a_validated_copy():
         cfg.name = "other"
     resolved = cfg.resolved({"data.workers": 3, "logging.wandb.project": "p"})
     assert (resolved.data.workers, resolved.logging.wandb.project, cfg.data.workers) == (3, "p", "auto")
-    with pytest.raises(ConfigError, match="data.workers"):
+    assert (resolved.data.batch_size, resolved.train.grad_accum) == (16, 2)  # the rest of a section kept
+    with pytest.raises(ConfigError, match=r"^resolved config: data\.workers: "):
         cfg.resolved({"data.workers": -1})
+    with pytest.raises(ConfigError, match=r"^--set: data\.workers: "):
+        cfg.resolved({"data.workers": -1}, "--set")
 
 
 @pytest.mark.parametrize(("raw", "world", "batch", "lr"), [
@@ -244,3 +250,43 @@ def test_progressive_sizes_are_every_train_crop_and_the_val_crop():
     assert cfg.sizes(8) == {128, 160, 192, 224, 256, 288}
     assert cfg.sizes(3) == {128, 288}
     assert DataConfig(image_size=224).sizes(3) == {224}
+    off_grid = DataConfig(image_size=128, min_image_size=48, ramp_epochs=[2, 6])
+    assert [off_grid.train_size(e) for e in (1, 2, 3)] == [48, 48, 64]  # the ramp's first epoch: still 48
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"distributed": {"static_graph": True}, "train": {"grad_accum": 2}},
+     "distributed.static_graph: DDP fails with it under no_sync, i.e. with train.grad_accum > 1 "
+     "(pytorch/pytorch#143580); drop one of the two"),
+    ({"checkpoint": {"best_metric": "ema_top1"}},
+     'checkpoint.best_metric: "ema_top1" needs an EMA; set train.ema_decay (e.g. 0.9998) or use "top1"'),
+    ({"data": {"image_size": 64, "min_image_size": 96}},
+     "data: min_image_size 96 is above image_size 64; progressive resizing only grows the crop"),
+    ({"data": {"ramp_epochs": [-1, 2]}}, "data.ramp_epochs: expected [start, end] with 0 <= start <= end"),
+    ({"data": {"ramp_epochs": [1, 2, 3]}}, "data.ramp_epochs: expected [start, end] with 0 <= start <= end"),
+    ({"optim": {"betas": [1.0, 0.5]}}, "optim.betas: expected [beta1, beta2], each in [0, 1)"),
+    ({"optim": {"betas": [0.9, 0.99, 0.9]}}, "optim.betas: expected [beta1, beta2], each in [0, 1)"),
+])
+def test_the_rules_across_keys_refuse_in_their_own_words(raw, message):
+    with pytest.raises(ConfigError) as refused:
+        config_from_dict(raw)
+    assert str(refused.value) == f"config: {message}"
+
+
+@pytest.mark.parametrize("raw", [
+    {"distributed": {"static_graph": True}},  # grad_accum 1
+    {"train": {"grad_accum": 2}},
+    {"checkpoint": {"best_metric": "ema_top1"}, "train": {"ema_decay": 0.9}},
+    {"data": {"image_size": 64, "min_image_size": 64, "ramp_epochs": [0, 0]}},  # the edges allowed
+    {"data": {"ramp_epochs": [2, 2]}},
+    {"optim": {"betas": [0.0, 0.5]}},
+])
+def test_the_rules_across_keys_let_their_edges_through(raw):
+    config_from_dict(raw)
+
+
+def test_more_problems_than_the_first_are_counted():
+    with pytest.raises(ConfigError, match=r"^config: seed: .* \(and 1 more problem\)$"):
+        config_from_dict({"seed": "x", "deterministic": "maybe"})
+    with pytest.raises(ConfigError, match=r"^config: seed: .* \(and 2 more problems\)$"):
+        config_from_dict({"seed": "x", "deterministic": "maybe", "data": {"batch_size": 0}})

@@ -1,16 +1,25 @@
 """Preflight's own rules (ddp_cli/preflight.py), called directly: the workers a torchrun started,
---resume, model.weights made absolute, SyncBatchNorm on CPU. The whole preflight is met through
-the CLI in test_cli_errors, test_gpus and test_shared_memory."""
+--resume, model.weights made absolute, SyncBatchNorm on CPU, the node's loaders, and `preflight`
+itself on a fake index and loader rule (what it computes and hands on). The whole preflight is met
+through the CLI in test_cli_errors, test_gpus and test_shared_memory."""
 
 from __future__ import annotations
+
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ddp_cli import preflight
 from ddp_cli.config import ModelConfig, RunConfig
+from ddp_cli.data.pipeline.autotune import LoaderChoice
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.errors import ConfigError
+from ddp_cli.observe.startup import StartupClock
+from ddp_cli.run.launch import LaunchOptions
+
+CPU_WORKERS = preflight.Workers(nproc=2, nnodes=3, backend="gloo", device="cpu", precision="fp32")
 
 
 def test_joined_workers_are_the_local_ones_on_world_over_local_nodes():
@@ -19,7 +28,7 @@ def test_joined_workers_are_the_local_ones_on_world_over_local_nodes():
     cfg = RunConfig().resolved({"distributed.backend": "gloo", "train.precision": "fp32"})
     workers = preflight.joined_workers(cfg, ctx)
     assert workers == preflight.Workers(nproc=4, nnodes=3, backend="gloo", device="cpu", precision="fp32")
-    assert workers.world_size == 12
+    assert workers.world_size == 12 and isinstance(workers.nnodes, int)  # the plan prints "3", not "3.0"
 
 
 @pytest.mark.parametrize("resume", ["auto", "never"])
@@ -49,7 +58,119 @@ def test_a_weights_file_is_made_absolute_and_a_weight_name_stays_a_name(tmp_path
 
 def test_sync_batchnorm_is_refused_on_cpu_only():
     on = ModelConfig(sync_batchnorm=True)
-    with pytest.raises(ConfigError, match=r"^model\.sync_batchnorm: torch's SyncBatchNorm runs on CUDA only"):
+    with pytest.raises(ConfigError) as refused:
         preflight.check_sync_batchnorm(on, "cpu")
+    assert str(refused.value) == (
+        "model.sync_batchnorm: torch's SyncBatchNorm runs on CUDA only and these workers train on CPU "
+        "(gloo); set model.sync_batchnorm = false (each worker then normalises with its own batch)")
     preflight.check_sync_batchnorm(on, "cuda")
     preflight.check_sync_batchnorm(ModelConfig(sync_batchnorm=False), "cpu")
+
+
+@pytest.fixture()
+def loader_rule(monkeypatch):
+    """`choose_loaders` and the /dev/shm check recorded (each has its own tests): 3 loaders, prefetch 5."""
+    calls = {}
+
+    def choose(*args, **kwargs):
+        calls["choose"] = args, kwargs
+        return LoaderChoice(workers=3, prefetch_factor=5, rule="as set")
+
+    monkeypatch.setattr(preflight, "choose_loaders", choose)
+    monkeypatch.setattr(preflight, "check_shared_memory", lambda *args: calls.setdefault("shm", args))
+    return calls
+
+
+def fake_dataset(train_images: int = 1000):
+    """A data set entry whose root is ("FS", "ROOT"), and an index of 3 classes."""
+    entry = SimpleNamespace(open=lambda: ("FS", "ROOT"))
+    splits = {"train": list(range(train_images)), "val": ["v"]}
+    index = SimpleNamespace(classes=["a", "b", "c"], splits=splits)
+    return entry, index
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_node_loaders_are_chosen_for_the_split_and_their_batches_checked_against_shm(loader_rule, split):
+    cfg = RunConfig().resolved({"augment.policy": "trivialaugment"})
+    entry, index = fake_dataset()
+    model = torch.nn.Linear(1, 1)
+    choice = preflight.choose_node_loaders(cfg, CPU_WORKERS, entry, index, model, split)
+    assert (choice.workers, choice.prefetch_factor) == (3, 5)
+    args, kwargs = loader_rule["choose"]
+    assert args == (cfg.data, "cpu", 2, "FS", "ROOT", index.splits[split], model)
+    assert kwargs == {"train": split == "train", "augment": cfg.augment}
+    assert loader_rule["shm"] == (cfg.data, 3, 5, 2)  # the choice's loaders, for this node's 2 workers
+
+
+def test_preflight_keeps_what_its_checks_computed(loader_rule):
+    cfg = RunConfig().resolved({"model.name": "resnet_tiny", "data.image_size": 32, "data.batch_size": 10,
+                                "train.grad_accum": 2, "optim.lr_per_256": 0.64})
+    entry, index = fake_dataset(1000)
+    clock = StartupClock(last=0.0)
+    build = SimpleNamespace(result=lambda: (entry, index))
+    plan = preflight.preflight(cfg, build, CPU_WORKERS, "auto", clock)
+    assert (plan.entry, plan.index, plan.workers, plan.resume) == (entry, index, CPU_WORKERS, "auto")
+    assert (plan.cfg.data.workers, plan.cfg.data.prefetch_factor) == (3, 5)  # "auto" made concrete
+    assert plan.loaders.rule == "as set" and loader_rule["choose"][1]["train"] is True
+    assert plan.model.head[-1].out_features == 3 and plan.model.head[-1].weight.is_meta
+    assert plan.steps_per_epoch == 8  # 1000 images // 6 ranks // batch 10 = 16 batches, 2 per step
+    assert isinstance(plan.steps_per_epoch, int)  # whole batches: the plan prints 8, not 8.0
+    assert loader_rule["choose"][0][6] is plan.model  # the auto rule times this model
+    assert plan.global_batch == 120 and plan.lr == pytest.approx(0.64 * 120 / 256)
+    assert list(clock.phases) == ["index", "model_check", "data_workers"]
+
+
+def test_preflight_without_a_clock_and_its_first_refusals(loader_rule, tmp_path):
+    cfg = RunConfig().resolved({"model.name": "resnet_tiny", "data.image_size": 32, "data.batch_size": 10})
+    build = SimpleNamespace(result=lambda: fake_dataset(60))
+    assert preflight.preflight(cfg, build, CPU_WORKERS).resume == "never"
+    with pytest.raises(ConfigError, match="^data.batch_size: larger than a rank's share"):
+        preflight.preflight(cfg, SimpleNamespace(result=lambda: fake_dataset(59)), CPU_WORKERS)
+    with pytest.raises(ConfigError, match="^--resume"):
+        preflight.preflight(cfg, build, CPU_WORKERS, str(tmp_path / "gone.pt"))
+    synced = cfg.resolved({"model.sync_batchnorm": True})
+    with pytest.raises(ConfigError, match="^model.sync_batchnorm"):
+        preflight.preflight(synced, build, CPU_WORKERS)
+    gpu_workers = preflight.Workers(nproc=2, nnodes=3, backend="nccl", device="cuda", precision="fp32")
+    assert preflight.preflight(synced, build, gpu_workers).cfg.model.sync_batchnorm
+
+
+def test_validate_meets_its_launchs_workers_and_a_model_for_the_checkpoints_classes(monkeypatch):
+    monkeypatch.setattr(preflight, "cuda_devices", lambda: 0)
+    cfg = RunConfig().resolved({"model.name": "resnet_tiny", "data.image_size": 32,
+                                "distributed.backend": "gloo", "train.precision": "fp32"})
+    workers, model = preflight.validation_workers(cfg, 7, LaunchOptions(nproc_per_node=2))
+    assert workers == preflight.Workers(nproc=2, nnodes=1, backend="gloo", device="cpu", precision="fp32")
+    assert model.head[-1].out_features == 7
+
+
+def test_our_launch_checks_the_rendezvous_warns_of_loopback_and_places_its_workers(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(preflight, "check_rendezvous", lambda *args: seen.setdefault("rendezvous", args))
+    monkeypatch.setattr(preflight, "warn_loopback_host", lambda *args: seen.setdefault("loopback", args))
+    monkeypatch.setattr(preflight, "resolve_nproc", lambda *args: seen.setdefault("nproc", args) and 3)
+    monkeypatch.setattr(preflight, "cuda_devices", lambda: 0)
+    cfg = RunConfig().resolved({"distributed.backend": "gloo", "train.precision": "fp32"})
+    opts = LaunchOptions(nnodes=2, rdzv_endpoint="head:29500")
+    workers = preflight.launch_workers(cfg, opts)
+    assert workers == preflight.Workers(nproc=3, nnodes=2, backend="gloo", device="cpu", precision="fp32")
+    assert seen == {"rendezvous": (opts, cfg.distributed), "loopback": (2, "head:29500", os.environ),
+                    "nproc": (opts, cfg.distributed)}
+
+
+def test_workers_take_a_gpu_each_where_the_driver_shows_enough(monkeypatch):
+    monkeypatch.setattr(preflight, "cuda_devices", lambda: 2)  # counted through the driver: CUDA untouched
+    cfg = RunConfig().resolved({"distributed.backend": "auto", "train.precision": "fp16"})
+    assert preflight.place_workers(cfg, 2, 1) == preflight.Workers(2, 1, "nccl", "cuda", "fp16")
+    with pytest.raises(ConfigError, match="this node has 2 for 3 workers"):
+        preflight.place_workers(cfg, 3, 1)
+
+
+def test_gpus_torch_cannot_use_refuse_any_backend_but_gloo(monkeypatch):
+    monkeypatch.setattr("ddp_cli.distributed.setup.gpu_problem", lambda: "the driver is too old")
+    monkeypatch.setattr(preflight, "cuda_devices", lambda: 0)
+    fp32 = {"train.precision": "fp32"}
+    with pytest.raises(ConfigError, match="^distributed.backend = 'auto': the driver is too old"):
+        preflight.place_workers(RunConfig().resolved(fp32), 1, 1)
+    gloo = RunConfig().resolved({**fp32, "distributed.backend": "gloo"})
+    assert preflight.place_workers(gloo, 1, 1).device == "cpu"

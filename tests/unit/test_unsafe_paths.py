@@ -7,9 +7,10 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 from synthetic import append_line, encoded, image, make_imagenet_loc
 
-from ddp_cli.data.fetch.storage import UNSAFE_PATH, FileReader, UnsafePath
+from ddp_cli.data.fetch.storage import UNSAFE_PATH, FileReader, UnsafePath, cache_folder
 from ddp_cli.data.pipeline.check import check_dataset
 from ddp_cli.data.sources.imagenet_loc import LOC_TRAIN_LIST
 from ddp_cli.data.sources.layouts import build_index
@@ -96,3 +97,33 @@ def test_file_reader_reads_a_remote_path_inside_the_root_and_caches_it(tmp_path)
     reader = FileReader(fs, root, cache_dir=tmp_path / "cache")
     assert reader.read("ILSVRC/x.JPEG") == encoded(image(2, 0))
     assert [p.name for p in (tmp_path / "cache").rglob("*.JPEG")] == ["x.JPEG"]
+
+
+class FakeS3(MemoryFileSystem):
+    """In memory, named as s3fs names itself."""
+
+    protocol = ("s3", "s3a")
+
+
+def test_the_cache_folder_is_the_endpoint_or_protocol_then_bucket_and_prefix(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CACHES", str(tmp_path / "caches"))
+    minio = FakeS3(skip_instance_cache=True, client_kwargs={"endpoint_url": "http://127.0.0.1:9000"})
+    expected = tmp_path / "caches/ddp/127.0.0.1_9000/bucket/prefix"
+    assert cache_folder(minio, "bucket/prefix", "$CACHES/ddp") == expected
+    aws = FakeS3(skip_instance_cache=True, client_kwargs={"region_name": "eu-west-1"})
+    assert cache_folder(aws, "/bucket", "~/cache") == tmp_path / "home/cache/s3/bucket"
+    assert cache_folder(FakeS3(skip_instance_cache=True), "bucket", tmp_path) == tmp_path / "s3/bucket"
+    assert cache_folder(aws, "bucket", None) is None and cache_folder(aws, "bucket", "") is None
+    assert cache_folder(FS, str(tmp_path), tmp_path / "cache") is None  # local roots are read in place
+    assert cache_folder(MemoryFileSystem(skip_instance_cache=True), "b", tmp_path) == tmp_path / "memory/b"
+    assert FileReader(aws, "bucket/dataX/", tmp_path).cache == tmp_path / "s3/bucket/dataX"
+
+
+def test_a_forked_reader_opens_a_filesystem_of_its_own_once():
+    fs = FakeS3(skip_instance_cache=True)
+    reader = FileReader(fs, "bucket")
+    assert reader.fs is fs and reader.fs is fs
+    reader._pid = -1  # as a forked DataLoader worker finds it
+    own = reader.fs
+    assert own is not fs and type(own) is FakeS3 and reader.fs is own
