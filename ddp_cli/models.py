@@ -406,7 +406,7 @@ def vit_depth(model: nn.Module, name: str) -> int:
     if not blocks:
         raise ConfigError(f"optim.layer_decay: layer-wise LR decay needs a ViT (torchvision vit_*: "
                           f"encoder.layers.encoder_layer_N); {name} has no such layers; set "
-                          "optim.layer_decay = 1")
+                          "optim.layer_decay = 1 (a model of your own: name its blocks so)")
     return max(blocks) + 1
 
 
