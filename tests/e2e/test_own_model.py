@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, last_json, run_ddp
+from synthetic import OWN_NET
 
 from ddp_cli.export import card_path, export_checkpoint
 from ddp_cli.train.checkpoint_model import load_trained
@@ -22,30 +23,7 @@ from ddp_cli.user_model import factory
 
 pytestmark = pytest.mark.slow
 
-BLOCKS = """
-from torch import nn
-
-def conv_bn(cin, cout):
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
-"""
-
-NET = """
-from torch import nn
-from blocks import conv_bn  # beside this file: on sys.path in every worker
-
-class Net(nn.Module):
-    def __init__(self, num_classes, width):
-        super().__init__()
-        self.body = nn.Sequential(conv_bn(3, width), conv_bn(width, width), nn.AdaptiveAvgPool2d(1),
-                                  nn.Flatten())
-        self.classify = nn.Linear(width, num_classes)
-
-    def forward(self, x):
-        return self.classify(self.body(x))
-
-def make(num_classes, width=4):
-    return Net(num_classes, width)
-"""
+NET = "from blocks import conv_bn  # beside this file: found in every worker\n" + OWN_NET
 
 SETS = ["data.image_size=8", "data.val_resize=8", "data.workers=0", "train.epochs=1", "train.precision=fp32",
         "train.ema_decay=0.9", "model.channels_last=false", "optim.head_lr_mult=2"]
@@ -56,7 +34,7 @@ def trained(demo_registry, tmp_path_factory) -> tuple[Path, Path, dict]:
     """The config folder (config, nets/tiny.py, nets/blocks.py) and the run dir of a 1-epoch run."""
     folder = tmp_path_factory.mktemp("own")
     (folder / "nets").mkdir()
-    (folder / "nets/blocks.py").write_text(BLOCKS)
+    (folder / "nets/blocks.py").write_text("conv_bn = None\n")
     (folder / "nets/tiny.py").write_text(NET)
     demo = (REPO / "configs/demo.toml").read_text()
     config = demo.replace('name = "resnet_tiny"', 'name = "nets/tiny.py:make"')

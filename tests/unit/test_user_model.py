@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic import OWN_NET
 
 from ddp_cli.config import load_config
 from ddp_cli.errors import USAGE, ConfigError
@@ -18,22 +19,7 @@ from ddp_cli.models import build_model, check_model, classifier_head
 from ddp_cli.train.checkpoint_model import Trained, warn_if_changed
 from ddp_cli.user_model import changed, factory
 
-NET = """
-from torch import nn
-
-class Net(nn.Module):
-    def __init__(self, num_classes, width=4):
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.AdaptiveAvgPool2d(1),
-                                  nn.Flatten())
-        self.classify = nn.Linear(width, num_classes)
-
-    def forward(self, x):
-        return self.classify(self.body(x))
-
-def make(num_classes, width=4):
-    return Net(num_classes, width)
-
+NET = OWN_NET + """
 def anything(**kwargs):
     return Net(**kwargs)
 
@@ -135,7 +121,8 @@ def test_fine_tuning_rules_hold_for_it_and_refuse_what_it_lacks(folder, tmp_path
     cfg = config(folder, "nets/net.py:make", f"model.weights={weights}", "model.freeze=['body.0']",
                  "optim.head_lr_mult=10")
     model = check_model(cfg, 10)
-    assert classifier_head(model) == "classify" and not model.body[0].weight.requires_grad
+    assert classifier_head(model) == "classify"
+    assert not model.body[0].weight.requires_grad and model.body[1].weight.requires_grad
     with pytest.raises(ConfigError, match="has no module 'body.9'"):
         check_model(config(folder, "nets/net.py:make", "model.freeze=['body.9']"), 10)
     with pytest.raises(ConfigError, match="DEFAULT is a torchvision weight name"):
