@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, last_json, run_ddp
+from conftest import REPO, last_json, run_ddp, val_split_of
 from synthetic import OWN_NET
 
 from ddp_cli.export import card_path, export_checkpoint
@@ -86,3 +86,6 @@ def test_a_file_model_trains_validates_predicts_and_exports(trained, demo_regist
 
     session = onnxruntime.InferenceSession(str(tmp_path / "net.onnx"), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, {"images": x.numpy()})[0], want.numpy(), atol=1e-4)
+    images, labels, _ = val_split_of(demo_registry, 8, 8)  # scored as `ddp validate` scores it
+    right = (session.run(None, {"images": images.numpy()})[0].argmax(1) == labels.numpy()).sum()
+    assert abs(right - validated["top1"] * len(labels)) <= 1  # give or take one near-tie
