@@ -63,7 +63,7 @@ def export_checkpoint(checkpoint: Path, fmt: str, weights: str, out: Path) -> di
     if fmt == "onnx":
         require_extra("export", "--format onnx")
     trained = load_trained(checkpoint, weights)
-    warn_if_changed(trained)
+    warn_if_changed(trained.cfg.model, trained.path)
     model = trained.build()
     sha256, size = WRITERS[fmt](model, trained, out)
     card = model_card(trained, fmt, out, sha256, size)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ddp_cli.config import RunConfig, config_from_dict
+from ddp_cli.config import ModelConfig, RunConfig, config_from_dict
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.models import build_model
 from ddp_cli.train.checkpoint import load_checkpoint
@@ -69,10 +69,10 @@ def load_trained(path: str | Path, weights: Weights = "model", cfg: RunConfig | 
                    tensors, dict(final), dict(state.get("dataset") or {}))
 
 
-def warn_if_changed(trained: Trained) -> None:
-    """Say so when the file of a model of the user's own is no longer the one the run was trained with
-    (the launcher's side of validate, predict and export: once, not once per worker)."""
-    source = trained.cfg.model.source
-    message = changed(trained.cfg.model.name, source.sha256 if source else None)
+def warn_if_changed(model: ModelConfig, checkpoint: str | Path) -> None:
+    """Say so when the file of a model of the user's own (`model`, as `checkpoint` records it) is no
+    longer the one the run was checked with: once per command (the launcher's side of validate, predict
+    and export; rank 0 on resuming), not once per worker."""
+    message = changed(model.name, model.source.sha256 if model.source else None)
     if message:
-        log.warning("warning: %s (checkpoint %s)", message, trained.path)
+        log.warning("warning: %s (checkpoint %s)", message, checkpoint)

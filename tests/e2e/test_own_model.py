@@ -40,10 +40,14 @@ def trained(demo_registry, tmp_path_factory) -> tuple[Path, Path, dict]:
     config = demo.replace('name = "resnet_tiny"', 'name = "nets/tiny.py:make"')
     (folder / "run.toml").write_text(config + "\n[model.kwargs]\nwidth = 16\n")
     run_dir = folder / "run"
-    sets = [a for s in SETS for a in ("--set", s)]
-    result = last_json(run_ddp("train", str(folder / "run.toml"), "--registry", str(demo_registry),
-                               "--run-dir", str(run_dir), "--quiet", "--json", *sets))
+    result = last_json(train(folder, demo_registry, run_dir))
     return folder, run_dir, result
+
+
+def train(folder: Path, registry: Path, run_dir: Path, *more: str):
+    sets = [a for s in [*SETS, *more] for a in ("--set", s)]
+    return run_ddp("train", str(folder / "run.toml"), "--registry", str(registry), "--run-dir", str(run_dir),
+                   "--quiet", "--json", *sets)
 
 
 def test_a_file_model_trains_validates_predicts_and_exports(trained, demo_registry, demo_root, tmp_path):
@@ -81,6 +85,8 @@ def test_a_file_model_trains_validates_predicts_and_exports(trained, demo_regist
     assert onnx.returncode == 0, onnx.stderr
     then = card["model_source"]["sha256"]
     assert f"sha256 {then} then" in onnx.stderr and "now)" in onnx.stderr and "changed" in onnx.stderr
+    resumed = train(folder, demo_registry, run_dir, "train.epochs=2")  # resuming says so too, once
+    assert last_json(resumed)["epochs"] == 2 and resumed.stderr.count(f"sha256 {then} then") == 1
 
     import onnxruntime
 

@@ -16,7 +16,7 @@ from synthetic import OWN_NET
 from ddp_cli.config import load_config
 from ddp_cli.errors import USAGE, ConfigError
 from ddp_cli.models import build_model, check_model, classifier_head
-from ddp_cli.train.checkpoint_model import Trained, warn_if_changed
+from ddp_cli.train.checkpoint_model import warn_if_changed
 from ddp_cli.user_model import changed, factory
 
 NET = OWN_NET + """
@@ -152,9 +152,8 @@ def test_an_edited_file_is_a_warning_naming_both_hashes(folder, caplog):
     then = cfg.model.source.sha256
     assert changed(cfg.model.name, then) is None
     (folder / "nets/net.py").write_text(NET + "\n# edited\n")
-    trained = Trained(folder / "last.pt", cfg, [], [], "model", None, {}, {})
     with caplog.at_level(logging.WARNING, logger="ddp"):
-        warn_if_changed(trained)
+        warn_if_changed(cfg.model, folder / "last.pt")
     now = config(folder, "nets/net.py:make").model.source.sha256
     assert f"sha256 {then} then, {now} now" in caplog.text and str(folder / "last.pt") in caplog.text
 
