@@ -170,7 +170,8 @@ class ModelSource(Section):
     root: str | None = Field(None, description="The folder put first on sys.path to import the model: "
                              "the file's own, or the one its module was found in.")
     sha256: str | None = Field(None, description="The model file's sha256 when the config was read: "
-                               "validate, predict and export warn when the file has changed since.")
+                               "validate, predict, export and a resume warn when the file has changed "
+                               "since.")
 
 
 class ModelConfig(Section):
