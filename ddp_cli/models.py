@@ -6,7 +6,7 @@ factory of the user's own (`package.module:factory`, `file.py:factory`: `ddp_cli
 fine-tuning surgery done to it before DDP wraps it. `check_model` runs in the
 launcher and in `--dry-run`: it builds the same network on the meta device
 (no memory, no arithmetic), pushes a fake batch of every input size the run
-will use through it and matches `model.weights`, `model.freeze` and
+will use through it (one logit per class must come out) and matches `model.weights`, `model.freeze` and
 `optim.layer_decay` against it, so a model that cannot take the configured
 images, or weights or names that do not fit, fail before any worker starts.
 """
