@@ -196,11 +196,12 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
     run's evaluation file (with --per-class) are written by rank 0."""
     from ddp_cli.preflight import choose_node_loaders, validation_workers
     from ddp_cli.run.launch import LaunchOptions, single_threaded
-    from ddp_cli.train.checkpoint_model import load_trained
+    from ddp_cli.train.checkpoint_model import load_trained, warn_if_changed
 
     opts = LaunchOptions(nproc_per_node)
     single_threaded()
     trained = load_trained(job.checkpoint, job.weights, load_config(config) if config else None)
+    warn_if_changed(trained.cfg.model, trained.path)
     cfg = inference_config(trained, batch_size, dataset, precision)
     workers, model = validation_workers(cfg, len(trained.classes), opts)
     stored = None if dataset or registry else DatasetEntry.model_validate(trained.dataset)
@@ -289,11 +290,12 @@ def predict(job: Job, inputs: list[str], dataset: str | None, split: str, regist
     a bad image is an entry with its error."""
     from ddp_cli.preflight import choose_node_loaders, validation_workers
     from ddp_cli.run.launch import LaunchOptions, single_threaded
-    from ddp_cli.train.checkpoint_model import load_trained
+    from ddp_cli.train.checkpoint_model import load_trained, warn_if_changed
 
     opts = LaunchOptions(nproc_per_node)
     single_threaded()
     trained = load_trained(job.checkpoint, job.weights)
+    warn_if_changed(trained.cfg.model, trained.path)
     cfg = inference_config(trained, batch_size, dataset, precision)
     workers, model = validation_workers(cfg, len(trained.classes), opts)
     entry, index = predict_inputs(cfg, trained, inputs, dataset, split, registry)

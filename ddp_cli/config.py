@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from ddp_cli.errors import ConfigError, did_you_mean
+from ddp_cli.user_model import is_user_model, locate, parse
 
 
 class Section(BaseModel):
@@ -165,8 +166,26 @@ class AugmentConfig(Section):
         return self.mix_prob > 0 and (self.mixup_alpha > 0 or self.cutmix_alpha > 0)
 
 
+class ModelSource(Section):
+    root: str | None = Field(None, description="The folder put first on sys.path to import the model: "
+                             "the file's own, or the one its module was found in.")
+    sha256: str | None = Field(None, description="The model file's sha256 when the config was read: "
+                               "validate, predict, export and a resume warn when the file has changed "
+                               "since.")
+
+
 class ModelConfig(Section):
-    name: str = Field("resnet18", description="A torchvision classification model or 'resnet_tiny'.")
+    name: str = Field(
+        "resnet18", description="A torchvision classification model, 'resnet_tiny', or a model of your own: "
+        "\"package.module:factory\" (importable from the run config's folder, the working directory or "
+        "PYTHONPATH) or \"path/to/file.py:factory\" (relative to the run config's folder), any callable "
+        "returning an nn.Module, called with num_classes= when it takes it and with model.kwargs.",
+    )
+    source: ModelSource | None = Field(
+        None, description="Set by ddp when it reads the config, for a model of your own (not to be set by "
+        "hand): where it was imported from and the file's sha256, recorded in the run dir's config.toml "
+        "and every checkpoint so that validate, predict and export rebuild it.",
+    )
     channels_last: bool = Field(False, description="NHWC memory format (faster convs on CPU/GPU).")
     sync_batchnorm: bool = Field(False, description="Synchronise BatchNorm statistics across ranks.")
     weights: str | None = Field(
@@ -180,7 +199,8 @@ class ModelConfig(Section):
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the model's builder (dropout, "
-        "stochastic_depth_prob, ...), checked against its signature at --dry-run.",
+        "stochastic_depth_prob, ...) or your factory, checked against its signature at --dry-run (a "
+        "factory taking **kwargs takes any); num_classes is always ddp's.",
     )
     freeze: list[str] = Field(
         default_factory=list, description="Modules (dotted names, e.g. \"layer1\", \"features.0\") "
@@ -188,6 +208,16 @@ class ModelConfig(Section):
     )
     freeze_epochs: int = Field(0, ge=0, description="Unfreeze model.freeze after this many epochs "
                                "(0 = frozen for the whole run).")
+
+    @field_validator("name")
+    @classmethod
+    def _reference(cls, name: str) -> str:
+        if is_user_model(name):
+            try:
+                parse(name)
+            except ConfigError as e:
+                raise ValueError(str(e).removeprefix("model.name: ")) from None
+        return name
 
 
 class OptimConfig(Section):
@@ -427,7 +457,16 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"{path}: TOML syntax error: {e}") from e
     for item in overrides:
         apply_override(raw, item)
-    return config_from_dict(raw, source=str(path))
+    return with_model_source(config_from_dict(raw, source=str(path)), path.parent)
+
+
+def with_model_source(cfg: RunConfig, folder: Path) -> RunConfig:
+    """A model of the user's own located from the config's `folder` (`user_model.locate`): every process
+    that builds it later, wherever it starts, imports it from there."""
+    if not is_user_model(cfg.model.name):
+        return cfg
+    name, source = locate(cfg.model.name, folder)
+    return cfg.resolved({"model.name": name, "model.source": source})
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> RunConfig:

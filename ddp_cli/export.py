@@ -30,7 +30,8 @@ from ddp_cli.errors import ConfigError, require_extra
 from ddp_cli.io import atomic_write, write_text
 from ddp_cli.models import TINY, builder_kwargs, first_line
 from ddp_cli.train.checkpoint import read_manifest
-from ddp_cli.train.checkpoint_model import Trained, load_trained
+from ddp_cli.train.checkpoint_model import Trained, load_trained, warn_if_changed
+from ddp_cli.user_model import is_user_model
 
 log = logging.getLogger("ddp")
 
@@ -62,6 +63,7 @@ def export_checkpoint(checkpoint: Path, fmt: str, weights: str, out: Path) -> di
     if fmt == "onnx":
         require_extra("export", "--format onnx")
     trained = load_trained(checkpoint, weights)
+    warn_if_changed(trained.cfg.model, trained.path)
     model = trained.build()
     sha256, size = WRITERS[fmt](model, trained, out)
     card = model_card(trained, fmt, out, sha256, size)
@@ -196,6 +198,8 @@ def input_size(trained: Trained) -> int:
 def builder(trained: Trained) -> tuple[str, dict[str, Any]]:
     """The callable that makes the network (with `num_classes=`), and its other keyword arguments."""
     name, kwargs = trained.cfg.model.name, builder_kwargs(trained.cfg.model, trained.cfg.data.image_size)
+    if is_user_model(name):
+        return name, kwargs  # "package.module:factory" or "/abs/file.py:factory"
     return ("ddp_cli.models.TinyResNet" if name == TINY else f"torchvision.models.{name}"), kwargs
 
 
@@ -207,6 +211,7 @@ def model_card(trained: Trained, fmt: str, out: Path, sha256: str, size: int) ->
         "card_version": CARD_VERSION,
         "file": out.name, "format": fmt, "sha256": sha256, "bytes": size,
         "model": trained.cfg.model.name, "builder": make, "builder_kwargs": kwargs,
+        **({"model_source": trained.cfg.model.source.model_dump()} if trained.cfg.model.source else {}),
         "num_classes": len(trained.classes),
         "classes": [{"index": i, "synset": synset, "description": text} for i, (synset, text)
                     in enumerate(zip(trained.classes, trained.descriptions, strict=True))],

@@ -1,11 +1,12 @@
-"""Models by name: every torchvision classification model, plus `resnet_tiny` for small images.
+"""Models by name: every torchvision classification model, `resnet_tiny` for small images, and a
+factory of the user's own (`package.module:factory`, `file.py:factory`: `ddp_cli.user_model`).
 
 `build_model` makes the real, freshly initialised network in a worker (with
 `model.kwargs` for its builder); `load_weights` and `freeze` are the
 fine-tuning surgery done to it before DDP wraps it. `check_model` runs in the
 launcher and in `--dry-run`: it builds the same network on the meta device
 (no memory, no arithmetic), pushes a fake batch of every input size the run
-will use through it and matches `model.weights`, `model.freeze` and
+will use through it (one logit per class must come out) and matches `model.weights`, `model.freeze` and
 `optim.layer_decay` against it, so a model that cannot take the configured
 images, or weights or names that do not fit, fail before any worker starts.
 """
@@ -25,6 +26,7 @@ from torch import nn
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 from ddp_cli.io import is_checkpoint, load_plain
+from ddp_cli.user_model import call, factory, is_user_model
 
 TINY = "resnet_tiny"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrap names this way
@@ -92,7 +94,7 @@ def known_models() -> list[str]:
 def import_builders(name: str) -> None:
     """Import now what building model `name` needs (torchvision: ~2 s), to pay for it while
     something else runs (the launcher's index build)."""
-    if name != TINY:
+    if name != TINY and not is_user_model(name):
         import torchvision  # noqa: F401
 
 
@@ -161,6 +163,8 @@ def check_kwargs(cfg: ModelConfig, image_size: int) -> None:
 
 def build_model(cfg: ModelConfig, num_classes: int, image_size: int = 224) -> nn.Module:
     """A freshly initialised model (the caller seeds the RNG identically on every rank)."""
+    if is_user_model(cfg.name):
+        return user_model(cfg, num_classes)
     builder = model_builder(cfg.name)
     check_kwargs(cfg, image_size)
     try:
@@ -173,6 +177,15 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int = 224) -> nn
             raise
         raise ConfigError(f"model.name: {cfg.name} cannot be built for data.image_size = {image_size} "
                           f"({first_line(e)})") from e
+
+
+def user_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
+    """The user's factory called (`user_model.call`): what it returns must be a model."""
+    model = call(cfg.name, factory(cfg.name, cfg.source.root if cfg.source else None), num_classes,
+                 cfg.kwargs)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name: {cfg.name} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 @contextmanager
@@ -215,15 +228,26 @@ def check_model(cfg: RunConfig, num_classes: int) -> nn.Module:
     for size in sizes if cfg.model.name != TINY else ():  # convs and an adaptive pool: any size
         try:
             with torch.no_grad():
-                model(torch.empty(2, 3, size, size, device="meta"))
-        except (RuntimeError, ValueError, AssertionError) as e:
+                logits = model(torch.empty(2, 3, size, size, device="meta"))
+        except (RuntimeError, ValueError, AssertionError, TypeError) as e:
             raise ConfigError(f"model.name: {cfg.model.name} cannot take {size}x{size} images "
                               f"({first_line(e)}); raise data.image_size (and data.min_image_size), "
                               "torchvision trains most models at 224, inception_v3 at 299") from e
+        check_logits(logits, cfg.model.name, num_classes)
     if cfg.model.weights:
         select_weights(model.state_dict(), initial_weights(cfg.model), cfg.model, num_classes)
     check_finetune(model, cfg)
     return model
+
+
+def check_logits(logits: object, name: str, num_classes: int) -> None:
+    """A batch of 2 images must give 2 x num_classes logits (a factory that ignores num_classes, say)."""
+    shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
+    if shape != (2, num_classes):
+        got = f"shape {shape}" if shape else f"a {type(logits).__name__}"
+        raise ConfigError(f"model.name: {name} gives {got} for 2 images, not (2, {num_classes}): one logit "
+                          "per class of the data set; build the classifier with num_classes outputs (a "
+                          "factory taking num_classes= gets the class count) and return the logits alone")
 
 
 def check_finetune(model: nn.Module, cfg: RunConfig) -> None:
@@ -235,6 +259,8 @@ def check_finetune(model: nn.Module, cfg: RunConfig) -> None:
                           f"{cfg.model.name}: nothing would train")
     if cfg.optim.layer_decay != 1:
         vit_depth(model, cfg.model.name)
+    if cfg.optim.head_lr_mult != 1:
+        classifier_head(model, cfg.model.name)
 
 
 def is_weight_name(weights: str) -> bool:
@@ -245,8 +271,8 @@ def is_weight_name(weights: str) -> bool:
 def hub_weights(cfg: ModelConfig) -> tuple[Path, str]:
     """The file torchvision would download for the weights `cfg.weights` names (in torch's hub cache,
     $TORCH_HOME/hub/checkpoints) and its URL; nothing is downloaded."""
-    if cfg.name == TINY:
-        raise ConfigError(f"model.weights: {cfg.weights} is a torchvision weight name and {TINY} has "
+    if cfg.name == TINY or is_user_model(cfg.name):
+        raise ConfigError(f"model.weights: {cfg.weights} is a torchvision weight name and {cfg.name} has "
                           "none; give a file")
     import torchvision
 
@@ -358,11 +384,20 @@ def freeze(model: nn.Module, cfg: ModelConfig) -> None:
             param.requires_grad_(False)
 
 
-def classifier_head(model: nn.Module) -> str:
-    """The module that makes the logits: the last Linear (SqueezeNet: Conv2d) the model registers, i.e.
-    fc (ResNet, RegNet), classifier.N (VGG, EfficientNet, ConvNeXt, MobileNet), heads.head (ViT), head
-    (Swin; TinyResNet's head.2); tested on all of torchvision's classifiers."""
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)][-1]
+def classifier_head(model: nn.Module, name: str = "the model") -> str:
+    """The module that makes the logits: the one the model's `get_classifier()` returns (timm's
+    convention; how a model of one's own names its head), else the last Linear (SqueezeNet: Conv2d) the
+    model registers, i.e. fc (ResNet, RegNet), classifier.N (VGG, EfficientNet, ConvNeXt, MobileNet),
+    heads.head (ViT), head (Swin; TinyResNet's head.2); tested on all of torchvision's classifiers."""
+    named = getattr(model, "get_classifier", None)
+    head = named() if callable(named) else None
+    found = [n for n, m in model.named_modules() if (m is head if head is not None else
+                                                      isinstance(m, nn.Linear | nn.Conv2d))]
+    if not found:
+        raise ConfigError(f"optim.head_lr_mult: {name} has no recognisable classifier head (no nn.Linear or "
+                          "Conv2d, or get_classifier() returns none of its modules); give the model a "
+                          "get_classifier() method returning its head module, or set optim.head_lr_mult = 1")
+    return found[-1]
 
 
 def vit_depth(model: nn.Module, name: str) -> int:
@@ -371,7 +406,7 @@ def vit_depth(model: nn.Module, name: str) -> int:
     if not blocks:
         raise ConfigError(f"optim.layer_decay: layer-wise LR decay needs a ViT (torchvision vit_*: "
                           f"encoder.layers.encoder_layer_N); {name} has no such layers; set "
-                          "optim.layer_decay = 1")
+                          "optim.layer_decay = 1 (a model of your own: name its blocks so)")
     return max(blocks) + 1
 
 

@@ -59,6 +59,29 @@ def last_json(result: subprocess.CompletedProcess):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def val_split_of(registry: Path, crop: int, resize: int, name: str = "demo"):
+    """A data set's val split as `ddp validate` feeds it (ddp's own decode, crop and normalisation):
+    (images, labels, classes), for scoring an exported model as validate does."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from ddp_cli.data.pipeline.loaders import ImageDataset
+    from ddp_cli.data.pipeline.transforms import ValTransform, to_model_input
+    from ddp_cli.data.sources.layouts import build_index
+    from ddp_cli.registry import load_registry
+
+    entry = load_registry(str(registry)).get(name)
+    fs, root = entry.open()
+    index = build_index(fs, root, entry.layout, splits=("val",))
+    dataset = ImageDataset(fs, root, index.splits["val"], ValTransform(crop, resize))
+    images, labels = [], []
+    for pixels, label, _, error in DataLoader(dataset, batch_size=128):
+        assert not any(error)
+        images.append(to_model_input(pixels, torch.device("cpu"), channels_last=False))
+        labels.append(label)
+    return torch.cat(images), torch.cat(labels), index.classes
+
+
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory) -> Path:
     from ddp_cli.data.sources.demo import ensure_demo

@@ -119,3 +119,22 @@ def plant(root: Path, path: str, kind: str, label: int = 0, seed: int = 7) -> No
         target.unlink()
     else:
         target.write_bytes(content[kind]())
+
+
+# A model of the user's own, as the source of the file a test writes (`model.name = "<file>:make"`).
+OWN_NET = """
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self, num_classes, width=4):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+                                  nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.classify = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        return self.classify(self.body(x))
+
+def make(num_classes, width=4):
+    return Net(num_classes, width)
+"""

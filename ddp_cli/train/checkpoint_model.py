@@ -8,6 +8,7 @@ final accuracy of the chosen weights, so they all read it here, once.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -15,10 +16,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ddp_cli.config import RunConfig, config_from_dict
+from ddp_cli.config import ModelConfig, RunConfig, config_from_dict
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.models import build_model
 from ddp_cli.train.checkpoint import load_checkpoint
+from ddp_cli.user_model import changed
+
+log = logging.getLogger("ddp")
 
 Weights = Literal["model", "ema"]
 
@@ -63,3 +67,12 @@ def load_trained(path: str | Path, weights: Weights = "model", cfg: RunConfig | 
     classes = list(state["classes"])
     return Trained(Path(path), cfg, classes, list(state["descriptions"]), weights,
                    tensors, dict(final), dict(state.get("dataset") or {}))
+
+
+def warn_if_changed(model: ModelConfig, checkpoint: str | Path) -> None:
+    """Say so when the file of a model of the user's own (`model`, as `checkpoint` records it) is no
+    longer the one the run was checked with: once per command (the launcher's side of validate, predict
+    and export; rank 0 on resuming), not once per worker."""
+    message = changed(model.name, model.source.sha256 if model.source else None)
+    if message:
+        log.warning("warning: %s (checkpoint %s)", message, checkpoint)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_cli.config import ModelConfig, RunConfig, TrainConfig
+from ddp_cli.config import ModelConfig, RunConfig, TrainConfig, config_from_dict
 from ddp_cli.data.fetch.retry import retries_so_far
 from ddp_cli.data.pipeline.loaders import Batch, Loaders, skipped_files
 from ddp_cli.data.pipeline.transforms import to_model_input
@@ -35,6 +35,7 @@ from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import Sink
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
+from ddp_cli.train.checkpoint_model import warn_if_changed
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.inference import evaluate, raise_bad_images
 from ddp_cli.train.metrics import EvalTotals
@@ -280,6 +281,8 @@ class Trainer:
         """Continue exactly where a checkpoint left off, mid-epoch included; at another world size,
         follow the new global batch (`follow_world_size`)."""
         saved = self.checkpointer.load(path)  # in the current format, whatever version wrote it
+        if self.ctx.is_main and "config" in saved:  # the model file it was trained from, edited since?
+            warn_if_changed(config_from_dict(saved["config"], str(path)).model, path)
         if self.ema and saved.get("ema") is None:  # the run had no EMA so far: average from here on
             self.ema.restart(self.model.module)
         saved_world, saved_batch = len(saved["rng"]), self.state.global_batch

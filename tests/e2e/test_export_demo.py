@@ -14,15 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import last_json, run_ddp
+from conftest import last_json, run_ddp, val_split_of
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader
 
-from ddp_cli.data.pipeline.loaders import ImageDataset
-from ddp_cli.data.pipeline.transforms import ValTransform, to_model_input
-from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.export import export_checkpoint
-from ddp_cli.registry import load_registry
 
 pytestmark = pytest.mark.slow
 FORMATS = {"state_dict": "pt", "safetensors": "safetensors", "torchscript": "ts", "onnx": "onnx"}
@@ -37,17 +32,7 @@ def sizes(trained_demo) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def val_split(demo_registry, sizes) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """The demo's val split as validation feeds it (ddp's own decode, crop and normalisation)."""
-    entry = load_registry(str(demo_registry)).get("demo")
-    fs, root = entry.open()
-    index = build_index(fs, root, entry.layout, splits=("val",))
-    dataset = ImageDataset(fs, root, index.splits["val"], ValTransform(*sizes))
-    images, labels = [], []
-    for pixels, label, _, error in DataLoader(dataset, batch_size=128):
-        assert not any(error)
-        images.append(to_model_input(pixels, torch.device("cpu"), channels_last=False))
-        labels.append(label)
-    return torch.cat(images), torch.cat(labels), index.classes
+    return val_split_of(demo_registry, *sizes)
 
 
 @pytest.fixture(scope="module")
