@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from ddp_cli.config import AugmentConfig, config_from_dict
+from ddp_cli.data.pipeline.seeds import derived_seed
+from ddp_cli.train import mixing
 from ddp_cli.train.mixing import BatchMixing, Mix, loss_function, partners
 
 SHAPE = (1, 3, 32, 32)  # the images' size is all a draw reads of them
@@ -111,6 +113,29 @@ def test_the_same_seed_and_step_is_the_same_mix_on_every_rank():
     assert here == there
     assert len(set(here)) == 20  # every step its own
     assert draws(BOTH, steps=20, seed=1) != here
+
+
+def test_the_mixes_are_drawn_from_their_own_stream_not_the_samplers_epoch_seeds():
+    """Step s's draws come from (seed, s) in the mixing stream: without it they would replay the sampler's
+    (seed, epoch = s) seed, the same numbers feeding two unrelated choices."""
+    half = AugmentConfig(mixup_alpha=1.0, mix_prob=0.5)
+    mixed = [mix is not None for mix in draws(half, steps=64)]
+    replayed = [bool(torch.rand((), generator=torch.Generator().manual_seed(derived_seed(0, step))) < 0.5)
+                for step in range(64)]
+    assert mixed != replayed
+
+
+def test_the_partner_index_is_made_on_the_batchs_device(monkeypatch):
+    """On CUDA an index made on the host is copied to the GPU at every step; here, where the default device
+    is the batch's, the device `partners` is asked for and, under a default device that is not the batch's
+    (meta), where it makes the index show it."""
+    asked = []
+    monkeypatch.setattr(mixing, "partners", lambda size, device: asked.append(device) or partners(size, device))
+    images, labels = numbered(5), torch.arange(5)
+    Mix(0.25).images(images), Mix(0.25, (0, 0, 4, 4)).images(images), Mix(0.25).targets(labels, 5)
+    assert asked == [images.device, images.device, labels.device]
+    with torch.device("meta"):
+        assert partners(5, images.device).device == images.device
 
 
 def test_ranks_mixing_their_blocks_equal_one_process_mixing_the_global_batch():
