@@ -333,3 +333,29 @@ def test_a_rank_with_no_images_alone_reduces_to_zeros_and_an_empty_count_matrix(
     t = EvalTotals(CPU)
     assert t.reduce() == {"loss": 0.0, "top1": 0.0, "top5": 0.0, "images": 0}
     assert t.confusion.shape == (0, 0) and t.confusion.dtype == torch.int64
+
+
+def test_the_totals_stay_on_their_device_whatever_torchs_default_device(monkeypatch):
+    """Every tensor the totals make is on their device (on CUDA: no host copy, no all-reduce of a host
+    tensor over NCCL); a default device that is not theirs, meta, shows any made on the default."""
+    rng = np.random.default_rng(5)
+    (batch,) = random_batches(rng, 4, [12])
+    with torch.device("meta"):
+        empty = EvalTotals(CPU)
+        empty.reduce()
+        one = EvalTotals(CPU)
+        add(one, batch)
+        assert one.reduce()["images"] == batch[2].sum()
+    assert empty.confusion.device == CPU and one.confusion.device == CPU and one.sums.device == CPU
+    world = ThreadedWorld(2)
+    monkeypatch.setattr(metrics, "dist", world)
+
+    def rank(r: int) -> EvalTotals:
+        with torch.device("meta"):
+            totals = EvalTotals(CPU)
+            if r == 0:
+                add(totals, batch)
+            totals.reduce()
+        return totals
+
+    assert [t.confusion.device for t in world.run(rank)] == [CPU, CPU]

@@ -130,7 +130,12 @@ def test_the_partner_index_is_made_on_the_batchs_device(monkeypatch):
     is the batch's, the device `partners` is asked for and, under a default device that is not the batch's
     (meta), where it makes the index show it."""
     asked = []
-    monkeypatch.setattr(mixing, "partners", lambda size, device: asked.append(device) or partners(size, device))
+
+    def recorded(size: int, device: torch.device) -> torch.Tensor:
+        asked.append(device)
+        return partners(size, device)
+
+    monkeypatch.setattr(mixing, "partners", recorded)
     images, labels = numbered(5), torch.arange(5)
     Mix(0.25).images(images), Mix(0.25, (0, 0, 4, 4)).images(images), Mix(0.25).targets(labels, 5)
     assert asked == [images.device, images.device, labels.device]
