@@ -7,6 +7,7 @@ and slower than fp32. So "auto" picks bf16 only where it is native.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from ddp_cli.errors import ConfigError
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# torch's warning when a schedule steps past an optimizer step the GradScaler skipped (see grad_scaler)
+SKIPPED_STEP_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -56,3 +59,16 @@ def autocast(device: torch.device, precision: str) -> AbstractContextManager:
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device.type, dtype=AUTOCAST[precision])
+
+
+def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
+    """The loss scaler: active under fp16 only, where it skips the optimizer step whose gradients
+    overflowed (the first ones, while it finds its scale).
+
+    The LR schedule still advances on such a step, by design: it counts training steps, so a resumed
+    run lands on the same LR. torch takes that for a call in the wrong order and warns on every rank
+    (seen on a GPU); under fp16 that warning is a false alarm, silenced in this worker process.
+    """
+    if precision == "fp16":
+        warnings.filterwarnings("ignore", SKIPPED_STEP_WARNING, UserWarning)
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")

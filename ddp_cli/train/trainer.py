@@ -41,7 +41,7 @@ from ddp_cli.train.inference import evaluate, raise_bad_images
 from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.mixing import BatchMixing, loss_function
 from ddp_cli.train.optim import build_optimizer
-from ddp_cli.train.precision import autocast, resolve_precision
+from ddp_cli.train.precision import autocast, grad_scaler, resolve_precision
 from ddp_cli.train.schedules import build_scheduler, resume_schedule
 
 log = logging.getLogger("ddp")
@@ -92,7 +92,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.model.module, self.lr, cfg.model)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps_per_epoch,
                                          steps_per_epoch * cfg.train.epochs)
-        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=self.precision == "fp16")
+        self.scaler = grad_scaler(ctx.device, self.precision)
         self.loss_fn = loss_function(cfg)  # labels or mixes
         self.mixing = BatchMixing(cfg.augment, cfg.seed) if cfg.augment.mixing() else None
         self.state = RunState(global_batch=self.global_batch, world_sizes=[ctx.world_size])

@@ -49,3 +49,26 @@ def test_autocast_is_a_no_op_in_fp32_and_lowers_matmuls_in_bf16():
         assert (x @ x).dtype == torch.float32
     with precision.autocast(CPU, "bf16"):
         assert (x @ x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("precision_", "warns"), [("fp16", False), ("fp32", True)])
+def test_a_step_the_scaler_skips_does_not_warn_about_the_schedule_under_fp16(precision_, warns):
+    """Under fp16 the GradScaler skips the step whose gradients overflowed while the schedule goes
+    on (it counts steps): torch's order warning is a false alarm there, and only there."""
+    import warnings
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        scaler = precision.grad_scaler(CPU, precision_)
+        if precision_ == "fp32":  # no scaler: a step that was never taken, as the scaler's skip looks
+            assert not scaler.is_enabled()
+        else:
+            assert scaler.is_enabled()
+            scaler.scale((weight * torch.tensor([float("inf"), 1.0])).sum()).backward()  # overflows
+            scaler.step(optimizer)
+            assert weight.tolist() == [1.0, 1.0]  # skipped
+        scheduler.step()
+    assert any("lr_scheduler.step()" in str(w.message) for w in seen) == warns
