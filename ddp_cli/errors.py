@@ -78,6 +78,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "report": ("matplotlib", "matplotlib"),
     "export": ("onnxscript", "onnxscript"),  # torch.onnx's exporter; it brings onnx
     "safetensors": ("safetensors", "safetensors"),
+    "timm": ("timm", "timm"),
+    "parquet": ("pyarrow", "pyarrow"),
 }
 
 
