@@ -77,9 +77,12 @@ class LaunchFlags:
 def indexed(config: Path, overrides: list[str],
             registry: str | None) -> Iterator[tuple[RunConfig, IndexBuild]]:
     """The run config and its index, building in a process of its own while this one imports torch
-    (under an external torchrun only rank 0 needs it)."""
+    (under an external torchrun only rank 0 needs it; a Kubeflow pod's RANK counts pods: each needs it)."""
+    from ddp_cli.run.schedulers import under_agent
+
     cfg = load_config(config, overrides)
-    with IndexBuild.begin(cfg, registry, fork=os.environ.get("RANK", "0") == "0") as build:
+    fork = not under_agent(os.environ) or os.environ.get("RANK", "0") == "0"
+    with IndexBuild.begin(cfg, registry, fork=fork) as build:
         yield cfg, build
 
 
@@ -183,11 +186,14 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | None
 
 
 def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) -> dict[str, Any]:
-    """--dry-run: the checks `train` makes before starting workers, and the plan they computed."""
+    """--dry-run: the checks `train` makes before starting workers, the plan they computed, and the
+    scheduler whose variables filled the launch (`schedulers`: which, and each variable read)."""
     from ddp_cli.plan import describe
     from ddp_cli.preflight import launch_workers, preflight
+    from ddp_cli.run.schedulers import recognise
 
-    return describe(preflight(cfg, build, launch_workers(cfg, opts), resume))
+    return {**describe(preflight(cfg, build, launch_workers(cfg, opts), resume)),
+            **recognise(os.environ).as_dict()}
 
 
 def validate(job: Job, config: Path | None, dataset: str | None, registry: str | None,

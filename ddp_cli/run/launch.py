@@ -10,10 +10,10 @@ Each worker's output also goes to JOB_DIR/logs (`run.logs`).
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +31,8 @@ from ddp_cli.run.logenv import quiet_torch_logs
 from ddp_cli.run.logs import RankLogs
 from ddp_cli.run.nccl_abort import read_abort
 from ddp_cli.run.network import gloo_environment
+from ddp_cli.run.schedulers import nodes, recognise
 from ddp_cli.run.worker import LAUNCHED, forked
-
-SLURM_RDZV_PORT = 29400
 
 
 @dataclass
@@ -48,13 +47,10 @@ class LaunchOptions:
     max_restarts: int | None = None
     min_nodes: int | None = None  # None: exactly nnodes
 
-    @classmethod
-    def nodes(cls, spec: str) -> dict[str, int | None]:
-        """`--nnodes N` or `--nnodes MIN:MAX` (torchrun's spelling) as nnodes and min_nodes."""
-        parts = spec.split(":")
-        if len(parts) > 2 or not all(p.isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[-1]):
-            raise ConfigError(f"--nnodes {spec}: expected N or MIN:MAX with 1 <= MIN <= MAX, e.g. 2 or 1:2")
-        return {"nnodes": int(parts[-1]), "min_nodes": int(parts[0]) if len(parts) == 2 else None}
+    @staticmethod
+    def nodes(spec: str) -> dict[str, int | None]:
+        """`--nnodes N` or `--nnodes MIN:MAX` as nnodes and min_nodes (`schedulers.nodes`)."""
+        return nodes(spec)
 
 
 def master_endpoint(addr: str | None, port: int | None, rdzv_endpoint: str | None) -> str | None:
@@ -85,46 +81,13 @@ def standalone_checked(opts: LaunchOptions) -> LaunchOptions:
 
 
 def external_launcher() -> bool:
-    """True inside torchrun/another elastic agent: run in-process, never launch twice."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    )
+    """True inside torchrun/another elastic agent (`schedulers`): run in-process, never launch twice."""
+    return recognise(os.environ).in_process
 
 
-def slurm_defaults(env: dict[str, str]) -> dict[str, object]:
-    """Launch settings SLURM already decided: one `ddp train` per node (srun --ntasks-per-node=1)."""
-    if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
-        return {}
-    settings: dict[str, object] = {
-        "nnodes": int(env["SLURM_NNODES"]),
-        "node_rank": int(env.get("SLURM_NODEID", 0)),
-        "rdzv_id": f"slurm-{env['SLURM_JOB_ID']}",
-    }
-    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
-    if hosts:
-        settings["rdzv_endpoint"] = f"{hosts[0]}:{SLURM_RDZV_PORT}"
-    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
-        settings["nproc_per_node"] = int(env["SLURM_GPUS_ON_NODE"])
-    return settings
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """`gpu[01-03,07],cpu1` -> gpu01 gpu02 gpu03 gpu07 cpu1 (SLURM's compressed host lists)."""
-    hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            first, _, last = part.partition("-")
-            for number in range(int(first), int(last or first) + 1):
-                hosts.append(f"{prefix}{number:0{len(first)}d}")
-    return hosts
-
-
-def with_environment(opts: LaunchOptions, env: dict[str, str] | None = None) -> LaunchOptions:
-    """Fill what the command line left open from SLURM's variables (flags always win)."""
-    defaults = slurm_defaults(dict(os.environ) if env is None else env)
+def with_environment(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> LaunchOptions:
+    """Fill what the command line left open from the scheduler's variables (flags always win)."""
+    defaults = recognise(os.environ if env is None else env).settings
     given = {k: v for k, v in vars(opts).items() if v != getattr(LaunchOptions(), k)}
     return LaunchOptions(**{**vars(LaunchOptions()), **defaults, **given})
 
