@@ -26,8 +26,8 @@ PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
 SHELL_FENCES = {"", "sh", "shell", "bash", "console", "text"}
 ROOT = typer.main.get_command(app)
 
-# `ddp` as a word (also `.venv/bin/ddp`), or `-m ddp_cli`, then the rest of the command
-COMMAND = re.compile(r"(?:^|[\s/])(?:ddp|-m ddp_cli)\s+(.*)$")
+# `ddp` as a word (also `.venv/bin/ddp`), or `-m ddp_cli` (TorchX's `-m ddp_cli --`), then the rest
+COMMAND = re.compile(r"(?:^|[\s/])(?:ddp|-m ddp_cli(?:\s+--)?)\s+(.*)$")
 FLAG = re.compile(r"(?<![\w.=/-])(--?[A-Za-z][\w-]*)")
 SHELL_SPLIT = re.compile(r"\s(?:\|\|?|&&|;|>>?|2>&1|2>)\s")  # ` | `, ` && `, redirections
 
@@ -137,12 +137,14 @@ def test_commands_are_picked_out_of_shell_lines():
              "ddp init w && cd w && ddp train demo.toml   # the demo\n"
              "# ddp train commented.toml\n"
              "torchrun --nproc-per-node 2 -m ddp_cli train c.toml\n"
+             "torchx run dist.ddp -j 2x8 -m ddp_cli -- train c.toml --resume auto\n"
              "$ ddp train c.toml --json | tail -1 | jq .final\n"
              "ddp predict --checkpoint b.pt \\\n    --topk 1 --json > out.jsonl\n"
              "ddp bench scaling   (the same flags; --world-size N >= 2 is compared with 1)\n"
              "│ ddp                     │ 0.1.0 │\n")
     assert list(commands_in(block)) == [
-        "train c.toml --max-restarts 3", "init w", "train demo.toml", "train c.toml", "train c.toml --json",
+        "train c.toml --max-restarts 3", "init w", "train demo.toml", "train c.toml",
+        "train c.toml --resume auto", "train c.toml --json",
         "predict --checkpoint b.pt --topk 1 --json",
         "bench scaling (the same flags; --world-size N >= 2 is compared with 1)"]
 
