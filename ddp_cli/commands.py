@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -98,6 +99,18 @@ def dry_run(config: Path, overrides: list[str], registry: str | None, flags: Lau
     """`ddp train --dry-run`: the plan, after every check training makes before starting workers."""
     with indexed(config, overrides, registry) as (cfg, build):
         return plan(cfg, build, flags.options(), resume)
+
+
+def local_folder(path: Path | None, flag: str) -> Path | None:
+    """`path` unless it was a URL: a Path keeps `s3://bucket/x` as the local folder `s3:/bucket/x`, and
+    a run would land there while its user believes it is in the bucket. Runs in object storage are
+    refused until they are written there (issue: runs that live in object storage)."""
+    if path is not None and re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(path)):
+        url = re.sub(r"^([^:]+):/+", r"\1://", str(path))
+        raise ConfigError(f"{flag} {url}: ddp writes runs to a local or mounted folder, not to object "
+                          "storage yet; give a folder (a volume the bucket is mounted on, e.g. with "
+                          "mountpoint-s3 or s3fs-fuse, works)")
+    return path
 
 
 def default_run_dir(cfg: RunConfig) -> Path:

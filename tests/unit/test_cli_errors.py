@@ -158,3 +158,15 @@ def test_bad_input_is_one_line_with_its_exit_code(case, demo_root, demo_registry
     captured = capsys.readouterr()
     assert exited.value.code == code, captured.err
     assert needle in one_error_line(captured)
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/runs/x", "gs://b/r"])
+def test_a_run_dir_in_object_storage_is_refused_before_anything_is_written(url, tmp_path, monkeypatch):
+    """A Path would keep `s3://bucket/x` as the local folder `s3:/bucket/x`: the run would land on the
+    pod's disk while its user believes it is in the bucket."""
+    monkeypatch.chdir(tmp_path)
+    result = invoke("train", "configs/demo.toml", "--run-dir", url)
+    assert result.exit_code == 2
+    line = one_error_line(result)
+    assert f"--run-dir {url}" in line and "local or mounted folder" in line
+    assert list(tmp_path.iterdir()) == []
