@@ -271,3 +271,45 @@ def test_a_refused_write_no_wrapper_named_is_exit_6_not_a_bug(tmp_path, capsys):
     assert ended.value.exit_code == 6
     out = capsys.readouterr().out
     assert f'"error": "could not write {tmp_path / "cache.bin"}: no space left on the device holding' in out
+
+
+@pytest.mark.parametrize("sets", [{"optim.name": "sgd", "optim.momentum": 0.9},
+                                  {"optim.name": "sgd", "optim.momentum": 0.0},
+                                  {"optim.name": "adamw", "train.ema_decay": 0.99}],
+                         ids=["sgd-momentum", "sgd", "adamw-ema"])
+def test_the_preflight_estimate_of_a_checkpoint_is_its_size_on_disk(tmp_path, sets):
+    """What the disk-room warning multiplies: within 10% (and a few kB of pickle) of a real save."""
+    from ddp_cli.config import RunConfig
+    from ddp_cli.preflight import checkpoint_bytes
+    from ddp_cli.train.ema import EmaModel
+    from ddp_cli.train.optim import build_optimizer
+
+    cfg = RunConfig().resolved(sets)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64), nn.Flatten(), nn.LazyLinear(10))
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer = build_optimizer(cfg.optim, model, 0.1)
+    optimizer.step()
+    ckpt = Checkpointer(CheckpointStore(tmp_path, keep_last=1))
+    ckpt.track(RunState(step=1))
+    ckpt.register(model=model, optimizer=optimizer,
+                  ema=EmaModel(model, cfg.train.ema_decay) if cfg.train.ema_decay else None)
+    size = ckpt.save().stat().st_size
+    assert abs(checkpoint_bytes(cfg, model.to("meta")) - size) < 0.1 * size + 16_000
+
+
+def test_preflight_warns_when_the_run_dirs_disk_has_less_room_than_the_checkpoints(tmp_path, monkeypatch,
+                                                                                    caplog):
+    from ddp_cli import preflight
+    from ddp_cli.config import RunConfig
+
+    run = SimpleNamespace(cfg=RunConfig().resolved({"checkpoint.keep_last": 3}),
+                          model=nn.Linear(1000, 250, device="meta"))  # 1 MB of weights, 1 MB momentum
+    for free, warned in ((7_900_000, True), (8_100_000, False)):  # 4 checkpoints of 2.0 MB
+        monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path, n=free: SimpleNamespace(free=n))
+        caplog.clear()
+        preflight.warn_if_disk_short(run, tmp_path / "run")
+        assert bool(caplog.records) == warned, free
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: SimpleNamespace(free=1_000_000))
+    preflight.warn_if_disk_short(run, tmp_path / "run")
+    assert (f"warning: {tmp_path / 'run'}: 1.0 MB free on its disk, but the run's checkpoints take about "
+            "8.0 MB (4 of 2.0 MB: checkpoint.keep_last + 1)") in caplog.text
