@@ -102,8 +102,8 @@ def write_error(e: BaseException, path: str | Path | None = None, needed: int | 
     if fault is None:
         return None
     code, oserror = fault
-    where = str(path or oserror.filename or "a file")
-    return WriteError(f"could not write {where}: {cause(code, where, oserror, needed)}")
+    where = str(path or oserror.filename or "")
+    return WriteError(f"could not write {where or 'a file'}: {cause(code, where, oserror, needed)}")
 
 
 def refusal(e: BaseException | None, errnos: frozenset[int]) -> tuple[int, OSError] | None:
@@ -123,7 +123,8 @@ def refusal(e: BaseException | None, errnos: frozenset[int]) -> tuple[int, OSErr
 def cause(code: int, where: str, e: OSError, needed: int | None) -> str:
     """The cause in words, with what a person needs to act on it: the free space, the folder's owner."""
     words = REFUSALS[code]
-    local = existing_ancestor(Path(e.filename or where)) if "://" not in where else None
+    named = str(e.filename) if e.filename else where  # "" for a stream: no folder to name
+    local = existing_ancestor(Path(named)) if named and "://" not in named else None
     if local is None:
         return f"{words} ({e.strerror or e})" if code == errno.EACCES else words
     if code == errno.ENOSPC:

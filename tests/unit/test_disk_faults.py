@@ -313,3 +313,29 @@ def test_preflight_warns_when_the_run_dirs_disk_has_less_room_than_the_checkpoin
     preflight.warn_if_disk_short(run, tmp_path / "run")
     assert (f"warning: {tmp_path / 'run'}: 1.0 MB free on its disk, but the run's checkpoints take about "
             "8.0 MB (4 of 2.0 MB: checkpoint.keep_last + 1)") in caplog.text
+
+
+@faults
+def test_a_worker_whose_error_record_is_refused_too_still_says_it_and_keeps_its_code(tmp_path, monkeypatch,
+                                                                                     capsys, code):
+    """The disk that failed the run may refuse `errors/rank<N>.json` as well: the line goes to the
+    rank's stderr (teed to the console) and the exit code is kept."""
+    from ddp_cli.run.worker import fail
+
+    fail_fsync(monkeypatch, code)
+    assert fail(tmp_path, 0, WRITE, "could not write x: disk quota exceeded", original=True) == WRITE
+    assert capsys.readouterr().err == "error: could not write x: disk quota exceeded\n"
+
+
+@faults
+def test_ddp_init_into_a_refusing_folder_is_exit_6(tmp_path, monkeypatch, code):
+    from ddp_cli.starter import write_starter
+
+    monkeypatch.setattr(Path, "open", lambda self, mode: (_ for _ in ()).throw(refused(code, str(self))))
+    with pytest.raises(WriteError) as failed:
+        write_starter(tmp_path / "starter")
+    assert_one_line(failed, tmp_path / "starter" / "demo.toml", code)
+
+
+def test_a_stream_write_refused_names_no_folder_it_does_not_know():
+    assert str(write_error(refused(errno.ENOSPC))) == "could not write a file: no space left on the device"
