@@ -339,3 +339,50 @@ def test_ddp_init_into_a_refusing_folder_is_exit_6(tmp_path, monkeypatch, code):
 
 def test_a_stream_write_refused_names_no_folder_it_does_not_know():
     assert str(write_error(refused(errno.ENOSPC))) == "could not write a file: no space left on the device"
+
+
+def mount(target: Path, flags: int = 0) -> int:
+    """mount(2) of a 2 MB tmpfs at `target` (no process); 0, else the errno."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return 0 if libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", flags, b"size=2m") == 0 \
+        else ctypes.get_errno()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real 2 MB tmpfs, skipped where mounting is not permitted (not root, no CAP_SYS_ADMIN), always
+    unmounted."""
+    import ctypes
+
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    refused_by = mount(folder)
+    if refused_by:
+        pytest.skip(f"cannot mount a tmpfs here: {os.strerror(refused_by)}")
+    yield folder
+    ctypes.CDLL(None).umount2(str(folder).encode(), 2)  # MNT_DETACH
+
+
+def test_a_real_full_disk_and_a_real_read_only_one(tmpfs):
+    """No injection: torch.save really meets ENOSPC on a 2 MB tmpfs, then the tmpfs turns read-only."""
+    folder = tmpfs / "run" / "checkpoints"
+    ckpt = Checkpointer(CheckpointStore(folder, keep_last=3))
+    progress = RunState(step=5)
+    ckpt.track(progress)
+    ckpt.register(model=nn.Linear(600, 500))  # 1.2 MB: one fits, two do not
+    good = ckpt.save()
+    progress.step = 10
+    with pytest.raises(WriteError) as failed:
+        ckpt.save()
+    message = str(failed.value)
+    assert message.startswith(f"could not write {folder / 'step-000000010.pt'}: no space left on the device "
+                              f"holding {folder}: 1.2 MB needed, ") and message.endswith(" free"), message
+    assert verify(good) is None and not ckpt.store.path_for(10).exists()
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # no temp file left
+    assert mount(tmpfs, 32 | 1) == 0  # MS_REMOUNT | MS_RDONLY: the same tmpfs, read-only now
+    with pytest.raises(WriteError, match=f"could not write {folder / 'step-000000010.pt'}: read-only file "
+                                         "system$"):
+        ckpt.save()
+    assert verify(good) is None
