@@ -103,7 +103,11 @@ def write_error(e: BaseException, path: str | Path | None = None, needed: int | 
         return None
     code, oserror = fault
     where = str(path or oserror.filename or "")
-    return WriteError(f"could not write {where or 'a file'}: {cause(code, where, oserror, needed)}")
+    try:
+        words = cause(code, where, oserror, needed)
+    except OSError:  # the failing device refuses even a stat: the cause alone
+        words = REFUSALS[code]
+    return WriteError(f"could not write {where or 'a file'}: {words}")
 
 
 def refusal(e: BaseException | None, errnos: frozenset[int]) -> tuple[int, OSError] | None:
@@ -126,7 +130,7 @@ def cause(code: int, where: str, e: OSError, needed: int | None) -> str:
     named = str(e.filename) if e.filename else where  # "" for a stream: no folder to name
     local = existing_ancestor(Path(named)) if named and "://" not in named else None
     if local is None:
-        return f"{words} ({e.strerror or e})" if code == errno.EACCES else words
+        return f"{words} ({e})" if e.strerror is None else words  # object storage's own words
     if code == errno.ENOSPC:
         folder = local if local.is_dir() else local.parent
         free = f"{size_words(shutil.disk_usage(folder).free)} free"

@@ -198,7 +198,11 @@ class CheckpointStore:
     def refused(self, error: WriteError) -> WriteError:
         """`error` (a write the storage refused during the run) with the checkpoint to resume from: the
         last one written whole, which a refused write never replaces."""
-        latest, run = self.latest_valid(), self.folder.parent
+        run = self.folder.parent
+        try:
+            latest = self.latest_valid()
+        except OSError:  # a failing device may refuse reading them back too
+            return WriteError(f"{error}; the checkpoints in {self.folder} could not be read back")
         resume = (f"the last good checkpoint is {latest}; make room and rerun with --run-dir {run} "
                   f"--resume auto, or copy {run} to a roomier disk and resume there"
                   if latest else "no checkpoint was written yet; make room and rerun")
@@ -327,7 +331,8 @@ class Checkpointer:
         stop signal. Call it on every rank after every step: every `stop_every` steps, at an epoch's end
         and when a save is due anyway, it asks every rank whether a signal came (a collective, the same
         steps on all ranks, so all stop after the same step); in between it asks nothing, so a stop comes
-        at most `stop_every` steps after the signal."""
+        at most `stop_every` steps after the signal. A background write that failed ends the run here,
+        at the first step after it failed."""
         self.raise_if_failed()
         scheduled = epoch_end or bool(self.every and self.progress.step % self.every == 0)
         ask = self.stop and (scheduled or self.progress.step % self.stop_every == 0)
@@ -375,7 +380,11 @@ class Checkpointer:
         """Until the write under way (if any) is durable; its failure is raised here."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            except OSError as e:  # not a refusal (those are WriteErrors, with their own line)
+                raise DataError(f"{self.store.folder}: writing a checkpoint failed ({e}); fix the folder, "
+                                "then resume from the last one written") from e
 
     def close(self) -> None:
         """Before the process ends: the last write durable, the writer thread gone."""

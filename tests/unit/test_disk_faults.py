@@ -386,3 +386,12 @@ def test_a_real_full_disk_and_a_real_read_only_one(tmpfs):
                                          "system$"):
         ckpt.save()
     assert verify(good) is None
+
+
+def test_a_device_that_fails_reading_back_too_still_gets_one_line(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path / "checkpoints", keep_last=1)
+    monkeypatch.setattr(store, "latest_valid", lambda: (_ for _ in ()).throw(refused(errno.EIO)))
+    monkeypatch.setattr(io.Path, "stat", lambda self, **kw: (_ for _ in ()).throw(refused(errno.EIO)))
+    error = write_error(refused(errno.EACCES), tmp_path / "x")  # even the owner cannot be read
+    assert str(store.refused(error)) == (f"could not write {tmp_path / 'x'}: permission denied; the "
+                                         f"checkpoints in {store.folder} could not be read back")
