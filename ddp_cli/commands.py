@@ -33,6 +33,7 @@ from ddp_cli.data.sources.shards import read_index
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import PEER_LOST, ConfigError, PeerLost, WorkerFailed
 from ddp_cli.index_build import IndexBuild, resolve_dataset
+from ddp_cli.io import writing
 from ddp_cli.observe import classes
 from ddp_cli.observe.report import classes_png, plot, summarize
 from ddp_cli.observe.startup import StartupClock
@@ -119,7 +120,10 @@ def default_run_dir(cfg: RunConfig) -> Path:
 
 def prepare_run(run: Preflight, run_dir: Path | None, quiet: bool) -> Path:
     """The run directory, holding everything the workers need (`jobs.prepare_job`)."""
+    from ddp_cli.preflight import warn_if_disk_short
+
     folder = (run_dir or default_run_dir(run.cfg)).resolve()
+    warn_if_disk_short(run, folder)
     prepare_job(folder, run.cfg, run.entry, run.index, Job("train", quiet, resume=run.resume))
     return folder
 
@@ -285,7 +289,8 @@ def writable(path: str | None, flag: str) -> str | None:
         return None
     target = Path(path).expanduser().resolve()
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        with writing(target):  # a read-only disk, no permission: exit 6 as when the file is written
+            target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"{flag} {path}: cannot write there ({e.strerror}); choose another file") from e
     if target.is_dir():

@@ -14,6 +14,7 @@ USAGE = 2
 DATA = 3
 DIVERGED = 4
 PEER_LOST = 5
+WRITE = 6
 SIGINT = 130
 SIGTERM = 143
 
@@ -51,6 +52,12 @@ class PeerLost(DdpError):
     """A rank or node was lost (its process or connection gone) or stopped answering (timed out)."""
 
     exit_code = PEER_LOST
+
+
+class WriteError(DdpError):
+    """The storage refused a write: no space, over quota, read-only, no permission, an I/O error."""
+
+    exit_code = WRITE
 
 
 class WorkerFailed(DdpError):

@@ -19,6 +19,7 @@ import typer
 from rich.markup import escape
 
 from ddp_cli.errors import INTERNAL, SIGINT, DdpError
+from ddp_cli.io import WRITE_ONLY, write_error
 from ddp_cli.render import err
 
 SIGPIPE = 141  # 128 + 13, as a shell reports a process that wrote to a closed pipe
@@ -42,6 +43,9 @@ def exits(command: Callable) -> Callable:
         except KeyboardInterrupt:
             fail("interrupted", SIGINT, as_json)
         except Exception as e:
+            refused = write_error(e, errnos=WRITE_ONLY)  # a write no wrapper named: the file the error names
+            if refused is not None:
+                fail(str(refused), refused.exit_code, as_json)
             if os.environ.get("DDP_DEBUG") == "1":
                 raise
             fail(f"{type(e).__name__}: {e}", INTERNAL, as_json,

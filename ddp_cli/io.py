@@ -1,20 +1,28 @@
 """Files that survive a kill: atomic writes, fsync, sha256, and loads that run no pickled code.
 
 The lowest layer: checkpoints, the job folder and manifests all write through
-`atomic_write`, and every `torch.load` goes through `load_plain`.
+`atomic_write`, and every `torch.load` goes through `load_plain`. It is also the one place that
+turns a write the storage refused (disk full, over quota, read-only, no permission, an I/O
+error) into a `WriteError`: one line naming the path and the cause in words (`writing`,
+`write_error`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import pickle
+import pwd
+import shutil
+import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
-from ddp_cli.errors import DataError
+from ddp_cli.errors import DataError, WriteError
 
 CHECKPOINT_FORMAT = 1  # the marker a ddp checkpoint carries as its "format" key
 
@@ -34,29 +42,127 @@ class HashingFile:
         self.file.flush()
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> tuple[str, int]:
+def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], needed: int | None = None
+                 ) -> tuple[str, int]:
     """Call `write(file)` on a temp file beside `path`, then rename it into place; (sha256, bytes).
 
-    A kill at any instant leaves either the old file or the new one, never half of one.
+    A kill at any instant leaves either the old file or the new one, never half of one; a write the
+    storage refuses removes its temp file and is a `WriteError` (`needed`: the bytes it would take,
+    where the caller knows them).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            hashing = HashingFile(f)
-            write(hashing)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with writing(path, needed):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                hashing = HashingFile(f)
+                write(hashing)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with suppress(OSError):  # on a failing device the unlink may fail too: the first error counts
+                Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
     return hashing.digest.hexdigest(), hashing.size
 
 
 def write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
+
+
+# The errnos of a write the storage refused, each with the cause in words (what `write_error` says).
+REFUSALS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+            errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+            errno.EPERM: "operation not permitted", errno.EIO: "I/O error from the device",
+            errno.EFBIG: "file too large for the file system"}
+# Those that only a write can meet: a failure with one of these anywhere is a refused write.
+WRITE_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
+@contextmanager
+def writing(path: str | Path, needed: int | None = None) -> Iterator[None]:
+    """Writes to `path` inside this block that the storage refuses become one `WriteError`."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:  # torch's zip writer wraps the OSError in a RuntimeError
+        error = write_error(e, path, needed)
+        if error is None:
+            raise
+        raise error from e
+
+
+def write_error(e: BaseException, path: str | Path | None = None, needed: int | None = None,
+                errnos: frozenset[int] | None = None) -> WriteError | None:
+    """The `WriteError` for `e` if it (or an error it was raised from or during) is a refused write
+    (one of `errnos`, by default any of `REFUSALS`), else None. `path` is what was being written,
+    else the file the error names; `needed` the bytes the write would take, where known."""
+    fault = refusal(e, errnos or frozenset(REFUSALS))
+    if fault is None:
+        return None
+    code, oserror = fault
+    where = str(path or oserror.filename or "")
+    try:
+        words = cause(code, where, oserror, needed)
+    except OSError:  # the failing device refuses even a stat: the cause alone
+        words = REFUSALS[code]
+    return WriteError(f"could not write {where or 'a file'}: {words}")
+
+
+def refusal(e: BaseException | None, errnos: frozenset[int]) -> tuple[int, OSError] | None:
+    """(errno, the OSError) of the first refused write in `e`'s chain; a PermissionError without an
+    errno (object storage's "access denied") counts as EACCES."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            code = e.errno if e.errno is not None or not isinstance(e, PermissionError) else errno.EACCES
+            if code in errnos:
+                return code, e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def cause(code: int, where: str, e: OSError, needed: int | None) -> str:
+    """The cause in words, with what a person needs to act on it: the free space, the folder's owner."""
+    words = REFUSALS[code]
+    named = str(e.filename) if e.filename else where  # "" for a stream: no folder to name
+    local = existing_ancestor(Path(named)) if named and "://" not in named else None
+    if local is None:
+        return f"{words} ({e})" if e.strerror is None else words  # object storage's own words
+    if code == errno.ENOSPC:
+        folder = local if local.is_dir() else local.parent
+        free = f"{size_words(shutil.disk_usage(folder).free)} free"
+        return f"{words} holding {folder}: " + (f"{size_words(needed)} needed, {free}" if needed else free)
+    if code in (errno.EACCES, errno.EPERM):
+        info = local.stat()
+        return f"{words} ({local}: owner {owner(info.st_uid)}, mode {stat.S_IMODE(info.st_mode):04o})"
+    return f"{words} holding {local}" if code == errno.EIO else words
+
+
+def existing_ancestor(path: Path) -> Path | None:
+    """`path` itself if it exists, else its nearest existing folder."""
+    for candidate in (path, *path.absolute().parents):
+        with suppress(OSError):
+            if candidate.exists():
+                return candidate
+    return None
+
+
+def owner(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def size_words(size: int) -> str:
+    """Bytes as a person reads them: 3.1 MB, 12.0 kB, 870 B (decimal units, as `df -H`)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 def fsync_dir(folder: Path) -> None:

@@ -13,7 +13,9 @@ prints it, `commands.train` hands it to the workers, and nothing edits it after.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,16 +29,18 @@ from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.index_build import IndexBuild
+from ddp_cli.io import existing_ancestor, size_words
 from ddp_cli.models import check_model, is_weight_name
 from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
 from ddp_cli.run.network import warn_loopback_host
-from ddp_cli.train.optim import check_optimizer
+from ddp_cli.train.optim import check_optimizer, state_copies
 from ddp_cli.train.precision import resolve_precision
 from ddp_cli.train.trainer import count_steps
 
+log = logging.getLogger("ddp")
 
 @dataclass(frozen=True)
 class Workers:
@@ -112,6 +116,30 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     batches = len(index.splits["train"]) // workers.world_size // cfg.data.batch_size  # as a rank's loader
     return Preflight(cfg, entry, index, model, workers, loaders, resume, count_steps(batches, cfg.train),
                      cfg.global_batch(workers.world_size), cfg.lr(workers.world_size))
+
+
+def checkpoint_bytes(cfg: RunConfig, model: nn.Module) -> int:
+    """About what one checkpoint of this run takes: the model's state, the optimiser's per-parameter
+    tensors and the EMA's copy of the model (the meta-device model has the real shapes)."""
+    params = sum(p.nelement() * p.element_size() for p in model.parameters())
+    state = params + sum(b.nelement() * b.element_size() for b in model.buffers())
+    return state * (1 + bool(cfg.train.ema_decay)) + params * state_copies(cfg.optim)
+
+
+def warn_if_disk_short(run: Preflight, folder: Path) -> None:
+    """One line where the run dir's disk has less room than the checkpoints will take: `keep_last` of
+    them and the one being written, less those already there (a resume replaces them). A full disk
+    at a checkpoint ends the run (exit 6); said now, it can be fixed before hours are spent."""
+    each = checkpoint_bytes(run.cfg, run.model)
+    count = run.cfg.checkpoint.keep_last + 1
+    there = sum(p.stat().st_size for p in (folder / "checkpoints").glob("step-*.pt"))
+    disk = existing_ancestor(folder)
+    free = shutil.disk_usage(disk).free if disk else None
+    if free is not None and free < count * each - there:
+        log.warning(f"warning: {folder}: {size_words(free)} free on its disk, but the run's checkpoints take "
+                    f"about {size_words(count * each)} ({count} of {size_words(each)}: checkpoint.keep_last "
+                    "+ 1); a full disk stops the run at a checkpoint (exit 6): make room, choose another "
+                    "--run-dir or lower checkpoint.keep_last")
 
 
 def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) -> tuple[Workers, nn.Module]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_cli.errors import ConfigError
+from ddp_cli.io import write_error
 
 TEMPLATES = ("demo.toml", "data.toml")
 
@@ -30,9 +31,9 @@ def write_starter(folder: Path) -> dict[str, Any]:
                 out.write(template(target.name))
     except FileExistsError as e:  # DIR is a file, or a file appeared meanwhile
         raise exists(Path(e.filename)) from e
-    except OSError as e:
-        raise ConfigError(f"{e.filename or folder}: cannot write there ({e.strerror}); "
-                          "choose another folder") from e
+    except OSError as e:  # a refused write (read-only, no permission, disk full) is exit 6, as anywhere
+        raise write_error(e, e.filename or folder) or ConfigError(
+            f"{e.filename or folder}: cannot write there ({e.strerror}); choose another folder") from e
     return {"dir": str(folder), "files": [str(t) for t in targets]}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_cli.errors import require_extra
+from ddp_cli.io import writing
 
 MAX_BARS = 50  # up to this many classes every one gets a bar; beyond, the worst and the best only
 WORST_BARS, BEST_BARS = 25, 5
@@ -158,7 +159,10 @@ def plot(run_dir: Path, out: Path) -> Path | None:
     fig = figure(evaluation, run_dir.name)
     import matplotlib.pyplot as plt
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        with writing(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
     return out

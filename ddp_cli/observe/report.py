@@ -10,6 +10,7 @@ from statistics import median
 from typing import Any
 
 from ddp_cli.errors import ConfigError, require_extra
+from ddp_cli.io import writing
 from ddp_cli.observe import classes
 from ddp_cli.observe.sinks import read_metrics
 
@@ -87,7 +88,10 @@ def plot(run_dir: Path, out: Path) -> Path:
     fig = figure(run_dir)
     import matplotlib.pyplot as plt
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        with writing(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
     return out

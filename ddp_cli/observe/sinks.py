@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from ddp_cli.config import LoggingConfig
 from ddp_cli.errors import require_extra
+from ddp_cli.io import writing
 
 CSV_COLUMNS = ("time", "epoch", "step", "split", "loss", "top1", "top5", "lr", "images_per_second",
                "skipped_images", "images")
@@ -33,10 +34,13 @@ class JsonlSink:
     """One JSON object per line, line-buffered so `tail -f` and `ddp report` see it live."""
 
     def __init__(self, path: Path) -> None:
-        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the run
+        self.path = path
+        with writing(path):
+            self.file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the run
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        with writing(self.path):
+            self.file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self.file.close()
@@ -46,14 +50,17 @@ class CsvSink:
     """Fixed columns (blank where a record has no value): opens in any spreadsheet."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         new = not path.exists() or path.stat().st_size == 0
-        self.file = open(path, "a", newline="", buffering=1)  # noqa: SIM115
-        self.writer = csv.DictWriter(self.file, CSV_COLUMNS, extrasaction="ignore")
-        if new:
-            self.writer.writeheader()
+        with writing(path):
+            self.file = open(path, "a", newline="", buffering=1)  # noqa: SIM115
+            self.writer = csv.DictWriter(self.file, CSV_COLUMNS, extrasaction="ignore")
+            if new:
+                self.writer.writeheader()
 
     def write(self, record: dict[str, Any]) -> None:
-        self.writer.writerow(record)
+        with writing(self.path):
+            self.writer.writerow(record)
 
     def close(self) -> None:
         self.file.close()

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
+from ddp_cli.io import writing
+
 
 class RankLogs(LogsSpecs):
     """torch's LogsSpecs, laid out flat in `folder` by global rank, every stream teed."""
@@ -33,7 +35,8 @@ class RankLogs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """The files of this start of the workers (the agent calls it again on each restart)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        with writing(self.folder):
+            self.folder.mkdir(parents=True, exist_ok=True)
         dest = LogsDest()
         for local_rank, env in envs.items():
             restart = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -58,4 +61,5 @@ def keep_aside(path: Path) -> None:
     never read back as this launch's (torch reads a failed rank's error file)."""
     if path.exists():
         older = (path.with_name(f"{path.stem}.{k}{path.suffix}") for k in itertools.count(1))
-        path.rename(next(p for p in older if not p.exists()))
+        with writing(path):
+            path.rename(next(p for p in older if not p.exists()))

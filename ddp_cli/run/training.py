@@ -18,6 +18,7 @@ from ddp_cli.data.pipeline.loaders import build_loaders
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
+from ddp_cli.errors import WriteError
 from ddp_cli.models import build_model, freeze, load_weights
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import build_sinks
@@ -120,6 +121,16 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
 
 def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
               index: IndexTable, job: Job, startup: StartupClock, writes: bool) -> dict[str, Any]:
+    """Train; a write the storage refused on the way (a checkpoint, metrics) names the checkpoint to
+    resume from."""
+    try:
+        return train(cfg, ctx, folder, entry, index, job, startup, writes)
+    except WriteError as e:
+        raise CheckpointStore(folder / "checkpoints", cfg.checkpoint.keep_last).refused(e) from e
+
+
+def train(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
+          index: IndexTable, job: Job, startup: StartupClock, writes: bool) -> dict[str, Any]:
     trainer = build_trainer(cfg, ctx, folder, entry, index, job, startup, writes)
     checkpoint = resume_point(job, folder, ctx)
     if checkpoint:

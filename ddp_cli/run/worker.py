@@ -23,8 +23,9 @@ import torch.distributed as dist
 from ddp_cli.distributed.heartbeat import Heartbeat, describe_loss
 from ddp_cli.distributed.peer_loss import lost_a_peer
 from ddp_cli.distributed.setup import setup, teardown
-from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, DdpError
+from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, DdpError, WriteError
 from ddp_cli.fastexit import exit_if_stuck, exit_now
+from ddp_cli.io import WRITE_ONLY, write_error
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.run.inference_jobs import predict_job, validate_job
 from ddp_cli.run.jobs import read_job, record_error, write_result
@@ -76,6 +77,9 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
                        if ctx else f"rank {rank} lost a peer while joining the process group "
                        f"({str(e).splitlines()[0]})")
             return fail(folder, rank, PEER_LOST, message, original=False)
+        refused = write_error(e, errnos=WRITE_ONLY)  # a write no wrapper named: the file the error names
+        if refused is not None:
+            return fail(folder, rank, refused.exit_code, str(refused), original=True)
         if os.environ.get("DDP_DEBUG") == "1":
             traceback.print_exc()
         return fail(folder, rank, INTERNAL, f"internal error on rank {rank} (a bug; DDP_DEBUG=1 "
@@ -85,9 +89,15 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
 def fail(folder: Path, rank: int, exit_code: int, message: str, original: bool) -> int:
     """Record the failure for the launcher, which prints the original one once.
 
-    Under an external torchrun there is no launcher of ours, so say it here.
+    Under an external torchrun there is no launcher of ours, so say it here; and where the record
+    cannot be written either (the disk that failed the run is full), say it on stderr, which the
+    launcher shows with the exit code.
     """
-    record_error(folder, rank, exit_code, message, original)
+    try:
+        record_error(folder, rank, exit_code, message, original)
+    except WriteError:
+        print(f"error: {message}", file=sys.stderr)
+        return exit_code
     if LAUNCHED not in os.environ and original:
         print(f"error: {message}", file=sys.stderr)
     return exit_code

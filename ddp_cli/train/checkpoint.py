@@ -23,8 +23,16 @@ import torch.distributed as dist
 
 from ddp_cli.config import config_from_dict
 from ddp_cli.distributed.signals import StopRequest
-from ddp_cli.errors import ConfigError, DataError, DdpError
-from ddp_cli.io import CHECKPOINT_FORMAT, atomic_write, fsync_dir, is_checkpoint, load_plain, sha256_of
+from ddp_cli.errors import ConfigError, DataError, DdpError, WriteError
+from ddp_cli.io import (
+    CHECKPOINT_FORMAT,
+    atomic_write,
+    fsync_dir,
+    is_checkpoint,
+    load_plain,
+    sha256_of,
+    writing,
+)
 from ddp_cli.train import rng
 
 log = logging.getLogger("ddp")
@@ -36,7 +44,19 @@ FORMAT_VERSION = 3  # what a checkpoint holds, as `migrate` reads it; "format" o
 def save_checkpoint(state: dict[str, Any], path: Path) -> tuple[str, int]:
     """Write atomically; the file's (sha256, bytes), hashed on the way out."""
     marks = {"format": CHECKPOINT_FORMAT, "format_version": FORMAT_VERSION}
-    return atomic_write(path, lambda f: torch.save({**marks, **state}, f))
+    return atomic_write(path, lambda f: torch.save({**marks, **state}, f), needed=tensor_bytes(state))
+
+
+def tensor_bytes(state: Any) -> int:
+    """The bytes of every tensor in `state`: about what its checkpoint takes on disk (a full disk's
+    message says how much was needed)."""
+    if isinstance(state, torch.Tensor):
+        return state.nelement() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(tensor_bytes(value) for value in state)
+    return 0
 
 
 def format_version(state: dict[str, Any]) -> int:
@@ -141,7 +161,11 @@ class CheckpointStore:
     def save(self, state: dict[str, Any], info: dict[str, Any], best: bool) -> Path:
         path = self.path_for(info["step"])
         written = save_checkpoint(state, path)
-        write_manifest(path, info, written)
+        try:
+            write_manifest(path, info, written)
+        except WriteError:
+            path.unlink(missing_ok=True)  # without its manifest it is no checkpoint, only lost space
+            raise
         for alias in ("last.pt", "best.pt") if best else ("last.pt",):
             self._alias(path, self.folder / alias, info, written)
         self._prune()
@@ -149,13 +173,18 @@ class CheckpointStore:
 
     def _alias(self, source: Path, alias: Path, info: dict[str, Any], written: tuple[str, int]) -> None:
         tmp = alias.with_name(f".{alias.name}.{os.getpid()}.link")
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copyfile(source, tmp)
-        os.replace(tmp, alias)
-        fsync_dir(self.folder)
+        with writing(alias, written[1]):
+            tmp.unlink(missing_ok=True)
+            try:
+                try:
+                    os.link(source, tmp)
+                except OSError:
+                    shutil.copyfile(source, tmp)
+                os.replace(tmp, alias)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a partial copy: lost space
+                raise
+            fsync_dir(self.folder)
         write_manifest(alias, info, written)
 
     def _prune(self) -> None:
@@ -165,6 +194,19 @@ class CheckpointStore:
 
     def steps(self) -> list[Path]:
         return sorted(self.folder.glob("step-*.pt"))
+
+    def refused(self, error: WriteError) -> WriteError:
+        """`error` (a write the storage refused during the run) with the checkpoint to resume from: the
+        last one written whole, which a refused write never replaces."""
+        run = self.folder.parent
+        try:
+            latest = self.latest_valid()
+        except OSError:  # a failing device may refuse reading them back too
+            return WriteError(f"{error}; the checkpoints in {self.folder} could not be read back")
+        resume = (f"the last good checkpoint is {latest}; make room and rerun with --run-dir {run} "
+                  f"--resume auto, or copy {run} to a roomier disk and resume there"
+                  if latest else "no checkpoint was written yet; make room and rerun")
+        return WriteError(f"{error}; {resume}")
 
     def latest_valid(self) -> Path | None:
         """The newest checkpoint whose manifest checks out; corrupt or partial ones are skipped."""
@@ -289,7 +331,9 @@ class Checkpointer:
         stop signal. Call it on every rank after every step: every `stop_every` steps, at an epoch's end
         and when a save is due anyway, it asks every rank whether a signal came (a collective, the same
         steps on all ranks, so all stop after the same step); in between it asks nothing, so a stop comes
-        at most `stop_every` steps after the signal."""
+        at most `stop_every` steps after the signal. A background write that failed ends the run here,
+        at the first step after it failed."""
+        self.raise_if_failed()
         scheduled = epoch_end or bool(self.every and self.progress.step % self.every == 0)
         ask = self.stop and (scheduled or self.progress.step % self.stop_every == 0)
         self.stopping = self.stop.agreed() if ask else 0
@@ -327,15 +371,20 @@ class Checkpointer:
         self.pending = self.writer.submit(self.store.save, cpu_copy(state), info, best)
         return self.store.path_for(self.progress.step)
 
+    def raise_if_failed(self) -> None:
+        """A background write that has failed ends the run at the first step after it failed."""
+        if self.pending is not None and self.pending.done():
+            self.wait()
+
     def wait(self) -> None:
         """Until the write under way (if any) is durable; its failure is raised here."""
         pending, self.pending = self.pending, None
         if pending is not None:
             try:
                 pending.result()
-            except OSError as e:
-                raise DataError(f"{self.store.folder}: writing a checkpoint failed ({e}); free space or "
-                                "fix the folder, then resume from the last one written") from e
+            except OSError as e:  # not a refusal (those are WriteErrors, with their own line)
+                raise DataError(f"{self.store.folder}: writing a checkpoint failed ({e}); fix the folder, "
+                                "then resume from the last one written") from e
 
     def close(self) -> None:
         """Before the process ends: the last write durable, the writer thread gone."""

@@ -65,6 +65,15 @@ def check_optimizer(cfg: OptimConfig) -> None:
         raise ConfigError("optim.nesterov: needs optim.momentum > 0")
 
 
+def state_copies(cfg: OptimConfig) -> int:
+    """How many tensors the size of each parameter the optimiser keeps (what it adds to a checkpoint)."""
+    if cfg.name in ("adamw", "lamb"):
+        return 2  # the two moments
+    if cfg.name == "rmsprop":
+        return 1 + bool(cfg.momentum)  # the square average, and a momentum buffer if any
+    return 1 if cfg.name == "lars" or cfg.momentum else 0  # a momentum buffer
+
+
 def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float,
                     model_cfg: ModelConfig | None = None) -> torch.optim.Optimizer:
     """The optimiser over `param_groups`, each group starting at `lr` x its `lr_scale` (the LR the

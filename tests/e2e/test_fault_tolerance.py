@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -69,6 +70,52 @@ def test_sigterm_with_every_augmentation_on_checkpoints_then_resume_ends_bit_ide
     assert 6 <= step < 22  # mid-epoch
     resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, "--set", "train.epochs=2"))
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real tmpfs (as root: CI runs so), resized by calling it with a size; skipped where mounting
+    is not permitted; always unmounted."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(folder)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here: {e}")
+
+    def resize(size: int) -> Path:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True, timeout=30)
+        return folder
+
+    yield resize
+    subprocess.run(["umount", "-l", str(folder)], check=False, timeout=30)
+
+
+def test_a_full_disk_at_a_background_checkpoint_is_exit_6_naming_the_last_good_one_and_resumes_identical(
+        demo_registry, small_disk, uninterrupted):
+    """A real full disk: room for the run dir and one and a half checkpoints, so the second (step 10,
+    written in the background) does not fit; once there is room, --resume auto ends as if never broken."""
+    reference, reference_dir = uninterrupted
+    checkpoint = (reference_dir / "checkpoints/last.pt").stat().st_size
+    rest = sum(p.stat().st_blocks * 512 for p in reference_dir.rglob("*")
+               if p.is_file() and p.parent.name != "checkpoints")
+    run_dir = small_disk(rest + checkpoint * 3 // 2 + (64 << 10)) / "run"
+    every = ["--set", "checkpoint.every_steps=5", *AUGMENTED, "--set", "train.epochs=2"]
+    full = train(demo_registry, run_dir, *every, "--set", "checkpoint.background=true")
+    good = run_dir / "checkpoints/step-000000005.pt"
+    assert full.returncode == 6, full.stderr[-3000:]
+    assert json.loads(full.stdout.strip().splitlines()[-1])["error"].startswith(
+        f"could not write {run_dir}/checkpoints/step-000000010.pt: no space left on the device holding ")
+    assert f"the last good checkpoint is {good}; make room and rerun" in full.stderr
+    assert "Traceback" not in full.stderr and "PytorchStreamWriter" not in full.stderr
+    assert CheckpointStore(run_dir / "checkpoints", 1).latest_valid() == good  # intact
+    small_disk(64 << 20)  # room made
+    resumed = train(demo_registry, run_dir, *every, "--resume", "auto")
+    assert f"resumed from {good}" in resumed.stderr
+    assert_bit_identical(last_json(resumed), reference, run_dir, reference_dir)
 
 
 def test_a_killed_worker_is_restarted_and_the_run_finishes(demo_registry, tmp_path, uninterrupted):

@@ -3,6 +3,7 @@ never overlap, never hold a half-changed state and never outlive the process."""
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import threading
@@ -13,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_cli.errors import ConfigError, DataError, DdpError
+from ddp_cli.errors import ConfigError, DataError, DdpError, WriteError
+from ddp_cli.io import writing
 from ddp_cli.train import rng
 from ddp_cli.train.checkpoint import (
     Checkpointer,
@@ -55,7 +57,8 @@ class GatedStore(CheckpointStore):
         self.gate.wait(10)
         self.threads.append(threading.current_thread().name)
         if self.fail:
-            raise OSError(28, "No space left on device")
+            with writing(self.path_for(info["step"])):  # as atomic_write meets a full disk
+                raise OSError(errno.ENOSPC, "No space left on device")
         start = len(self.spans)
         self.spans.append(("start", start))
         path = super().save(state, info, best)
@@ -105,17 +108,20 @@ def test_saves_never_overlap_and_close_waits_for_the_last(tmp_path):
     assert (tmp_path / "last.pt").samefile(second)
 
 
-def test_a_failed_background_write_is_a_one_line_error_at_the_next_wait(tmp_path):
-    ckpt, _, _ = checkpointer(tmp_path, background=True)
+def test_a_failed_background_write_ends_the_run_at_the_next_step_and_not_silently(tmp_path):
+    ckpt, _, progress = checkpointer(tmp_path, background=True)
     ckpt.store = store = GatedStore(tmp_path)
     store.fail = True
-    store.gate.set()
     ckpt.save()
-    with pytest.raises(DataError) as failed:
-        ckpt.close()
-    assert str(failed.value) == (f"{tmp_path}: writing a checkpoint failed ([Errno 28] No space left on "
-                                 "device); free space or fix the folder, then resume from the last one "
-                                 "written")
+    progress.step = 8
+    assert not ckpt.due()  # the write is still under way: training goes on
+    store.gate.set()
+    ckpt.pending.exception(10)  # ... until it has failed
+    progress.step = 9
+    with pytest.raises(WriteError, match=f"could not write {store.path_for(7)}: no space left") as failed:
+        ckpt.due()  # the first step after the failure, though no save is due
+    assert failed.value.exit_code == 6
+    ckpt.close()  # raised once: nothing left pending
 
 
 class AgreedStop:

@@ -40,6 +40,7 @@ from ddp_cli.data.fetch.storage import (
     storage_error,
 )
 from ddp_cli.errors import DataError
+from ddp_cli.io import writing
 
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "ddp-shards"
 
@@ -124,12 +125,13 @@ class ShardReader:
         assert self.cache is not None
         target = self.cache / shard
         if not target.exists():
-            self.cache.mkdir(parents=True, exist_ok=True)
-            with open(self.cache / f".{shard}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))  # released on close
-                if not target.exists():
-                    self._download(shard, target)
-                    self._evict()
+            with writing(target):  # the cache's disk full: one line naming the shard, in any process
+                self.cache.mkdir(parents=True, exist_ok=True)
+                with open(self.cache / f".{shard}.lock", "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))  # released on close
+                    if not target.exists():
+                        self._download(shard, target)
+                        self._evict()
         return target
 
     def _download(self, shard: str, target: Path) -> None:

@@ -30,6 +30,7 @@ import fsspec
 
 from ddp_cli.data.fetch.retry import IoPolicy, with_retries
 from ddp_cli.errors import DataError, require_extra
+from ddp_cli.io import writing
 
 UNSAFE_PATH = "unsafe path (absolute, or .. out of its folder)"
 CREDENTIALS_HELP = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage.profile "
@@ -188,10 +189,11 @@ class FileReader:
                 raise
             raise mapped from e
         if local is not None:
-            local.parent.mkdir(parents=True, exist_ok=True)
-            partial = local.with_name(f".{local.name}.{os.getpid()}.part")
-            partial.write_bytes(data)
-            os.replace(partial, local)  # atomic: readers see a whole file or none
+            with writing(local):  # the cache's disk full: one line naming the file, in any process
+                local.parent.mkdir(parents=True, exist_ok=True)
+                partial = local.with_name(f".{local.name}.{os.getpid()}.part")
+                partial.write_bytes(data)
+                os.replace(partial, local)  # atomic: readers see a whole file or none
         return data
 
 

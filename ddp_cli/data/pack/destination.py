@@ -4,8 +4,9 @@ A file is made complete in a scratch file first, then put in place in one step:
 locally a rename on the same filesystem (fsync'd, so a crash cannot leave the new
 name on half a file), on S3 one upload (an object appears when its PUT, or its
 multipart upload, completes; never half of it). Remote calls are retried on
-transient errors like every other S3 access (`retry.py`), and the others become
-one-line DataErrors naming the object.
+transient errors like every other S3 access (`retry.py`); a write the storage refuses
+(no space, no permission) is a WriteError (`io.writing`), the others one-line
+DataErrors naming the object.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import fsspec
 from ddp_cli.data.fetch.retry import with_retries
 from ddp_cli.data.fetch.storage import S3Location, s3_filesystem, storage_error
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.io import fsync_dir
+from ddp_cli.io import fsync_dir, write_error, writing
 
 T = TypeVar("T")
 WORK = ".pack"  # an unfinished pack's progress and per-shard tables, under the destination
@@ -70,7 +71,7 @@ class Destination:
     def put(self, local: Path, name: str) -> None:
         """Move the complete (and, locally, fsync'd) file `local` to `name`."""
         if self.remote:
-            self._call(lambda: self.fs.put_file(str(local), self._key(name)), name)
+            self._call(lambda: self.fs.put_file(str(local), self._key(name)), name, writes=True)
             local.unlink()
         else:
             with self._local(name):
@@ -80,7 +81,7 @@ class Destination:
     def write(self, name: str, data: bytes) -> None:
         """`data` as the file `name`, whole or not at all."""
         if self.remote:
-            self._call(lambda: self.fs.pipe_file(self._key(name), data), name)
+            self._call(lambda: self.fs.pipe_file(self._key(name), data), name, writes=True)
             return
         local = self.temp_path(name)  # not io.atomic_write: its mkstemp file is 0600, a data set is shared
         with self._local(name), local.open("wb") as f:
@@ -133,16 +134,18 @@ class Destination:
     def _key(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def _call(self, call: Callable[[], T], name: str) -> T:
-        """`call()` on the destination's filesystem: transient S3 errors retried, the others a DataError
-        naming the file; FileNotFoundError passes through (the callers expect it)."""
+    def _call(self, call: Callable[[], T], name: str, writes: bool = False) -> T:
+        """`call()` on the destination's filesystem: transient S3 errors retried, a refused write (when
+        the call `writes`) a WriteError, the others a DataError naming the file; FileNotFoundError
+        passes through (the callers expect it)."""
         where = f"{self.url}/{name}"
         try:
             return with_retries(call, where) if self.remote else call()
         except (FileNotFoundError, DataError):
             raise
         except Exception as e:
-            mapped = storage_error(e, where) if self.remote else None
+            refused = write_error(e, where) if writes else None
+            mapped = refused or (storage_error(e, where) if self.remote else None)
             if mapped is not None:
                 raise mapped from e
             if isinstance(e, OSError):
@@ -151,9 +154,11 @@ class Destination:
 
     @contextmanager
     def _local(self, name: str) -> Iterator[None]:
-        """Local I/O errors (no permission, disk full) as one line naming the file."""
+        """Local I/O errors as one line naming the file: a refused write (no permission, disk full) as
+        `io.writing` says it, any other as a data error."""
         try:
-            yield
+            with writing(f"{self.url}/{name}"):
+                yield
         except OSError as e:
             raise DataError(f"{self.url}/{name}: cannot write it ({e.strerror or e}); check --to (a "
                             "writable folder with room for the shards)") from e

@@ -71,7 +71,7 @@ from ddp_cli.data.sources.packed import PackedStrings, Split
 from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.io import HashingFile
+from ddp_cli.io import HashingFile, writing
 
 ORDER_SEED = 0  # the train rows' order in the shards (recorded in the index)
 CHUNK = 256  # images read and encoded at once
@@ -140,7 +140,8 @@ class ShardWriter:
 
     def __init__(self, path: Path, name: str, index: int) -> None:
         self.name, self.index, self.path = name, index, path
-        self.file = path.open("wb")
+        with self._writing():
+            self.file = path.open("wb")
         self.hashing = _TellingHash(self.file)
         self.tar = tarfile.open(fileobj=self.hashing, mode="w", format=tarfile.USTAR_FORMAT)  # noqa: SIM115
         self.rows: list[tuple[int, int, int, str, str]] = []  # label, offset, size, key, source path
@@ -184,9 +185,11 @@ class ShardWriter:
 
     @contextmanager
     def _writing(self) -> Iterator[None]:
-        """Local I/O errors (a full disk) as one line naming the scratch file."""
+        """Local I/O errors as one line naming the scratch file: a refused write (a full disk) as
+        `io.writing` says it, any other as a data error."""
         try:
-            yield
+            with writing(self.path):
+                yield
         except OSError as e:
             raise DataError(f"{self.path}: cannot write this shard ({e.strerror or e}); check the free space "
                             "there") from e
