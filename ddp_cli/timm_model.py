@@ -73,12 +73,16 @@ def import_timm(name: str) -> Any:
 
 
 def architecture(name: str) -> TimmName:
-    """`name` parsed, its architecture one timm has (else a ConfigError with timm's close names)."""
+    """`name` parsed, its architecture and tag ones timm has (else a ConfigError with timm's close names)."""
     parsed = parse(name)
     timm = import_timm(name)
     if not timm.is_model(parsed.architecture):
         raise ConfigError(f"model.name: timm has no architecture {parsed.architecture!r}"
                           f"{did_you_mean(parsed.architecture, timm.list_models())}")
+    tags = timm.list_pretrained(f"{parsed.architecture}.*")
+    if parsed.tag and parsed.timm_name not in tags:
+        raise ConfigError(f"model.name: timm has no pretrained tag {parsed.tag!r} for {parsed.architecture}"
+                          f"{did_you_mean(parsed.timm_name, tags) or f' (it has {len(tags)} tags)'}")
     return parsed
 
 
@@ -86,13 +90,9 @@ def pretrained_cfg(name: str) -> Any:
     """timm's pretrained config of `name`'s tag (its default tag when none is given)."""
     parsed = architecture(name)
     timm = import_timm(name)
-    tags = timm.list_pretrained(f"{parsed.architecture}.*")
-    if not tags:
+    if not timm.list_pretrained(f"{parsed.architecture}.*"):
         raise ConfigError(f"model.weights: timm has no pretrained weights for {parsed.architecture}; unset "
                           "model.weights to train it from scratch")
-    if parsed.tag and parsed.timm_name not in tags:
-        raise ConfigError(f"model.name: timm has no pretrained tag {parsed.tag!r} for {parsed.architecture}"
-                          f"{did_you_mean(parsed.timm_name, tags)}")
     return timm.models.get_pretrained_cfg(parsed.timm_name)
 
 
