@@ -123,7 +123,11 @@ def write_torchscript(model: nn.Module, trained: Trained, out: Path) -> tuple[st
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", JIT_DEPRECATED, FutureWarning)
-        traced = torch.jit.trace(model, example_input(trained), check_trace=False)
+        try:
+            traced = torch.jit.trace(model, example_input(trained), check_trace=False)
+        except Exception as e:  # whatever the model's forward does that tracing cannot follow
+            raise ConfigError(f"--format torchscript: {trained.cfg.model.name} cannot be traced "
+                              f"({first_line(e)}); use --format onnx or state_dict") from e
         if not reproduces(traced, model, trained):
             raise ConfigError(f"--format torchscript: the trace of {trained.cfg.model.name} does not "
                               "reproduce the model; use --format onnx or state_dict")

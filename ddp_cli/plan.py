@@ -73,19 +73,19 @@ def val_preprocessing(cfg: RunConfig) -> list[str]:
             f"CenterCrop({data.val_image_size or data.image_size})", normalize(cfg)]
 
 
-def weights_data_config(cfg: RunConfig) -> dict[str, str]:
+def weights_data_config(cfg: RunConfig) -> list[str]:
     """For a timm model's pretrained weights: each key of validation's preprocessing, its value and
     whether the weights' data config or the run config set it."""
     if not is_timm_pretrained(cfg.model):
-        return {}
+        return []
     data, taken = cfg.data, cfg.model.source.from_weights if cfg.model.source else []
     mean, std = normalising(data)
     values = {"data.mean": list(mean), "data.std": list(std),
               "data.val_interpolation": data.val_interpolation or cfg.augment.interpolation,
               "data.val_image_size": data.val_image_size or data.image_size,
               "data.val_resize": data.val_resize}
-    return {key: f"{value} (from the {'weights' if key in taken else 'config'})"
-            for key, value in values.items()}
+    return [f"{key} = {value} (from the {'weights' if key in taken else 'config'})"
+            for key, value in values.items()]
 
 
 def groups(run: Preflight) -> list[dict[str, Any]]:

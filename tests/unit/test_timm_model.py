@@ -153,10 +153,10 @@ def test_the_weights_data_config_fills_what_the_config_leaves_unset(hf_home, tmp
     assert (cfg.data.mean, cfg.data.std, cfg.data.val_resize) == ((0.5,) * 3, (0.4, 0.5, 0.6), 36)
     assert cfg.data.val_interpolation == "bilinear"
     assert cfg.model.source.from_weights == ["data.std"]
-    plan = weights_data_config(cfg)
-    assert plan["data.std"] == "[0.4, 0.5, 0.6] (from the weights)"
-    assert plan["data.mean"] == "[0.5, 0.5, 0.5] (from the config)"
-    assert plan["data.val_resize"] == "36 (from the config)"
+    assert weights_data_config(cfg) == [
+        "data.mean = [0.5, 0.5, 0.5] (from the config)", "data.std = [0.4, 0.5, 0.6] (from the weights)",
+        "data.val_interpolation = bilinear (from the config)", "data.val_image_size = 32 (from the config)",
+        "data.val_resize = 36 (from the config)"]
     assert val_preprocessing(cfg) == ["Resize(36, bilinear, antialias)", "CenterCrop(32)",
                                       "Normalize(mean=(0.5, 0.5, 0.5), std=(0.4, 0.5, 0.6)) (on the device)"]
 
