@@ -67,8 +67,10 @@ def import_timm(name: str) -> Any:
     """timm, imported with the hub offline (huggingface_hub reads HF_HUB_OFFLINE once, at its import)."""
     require_extra("timm", f"model.name = {name!r}")
     os.environ["HF_HUB_OFFLINE"] = "1"
+    import huggingface_hub.constants
     import timm
 
+    huggingface_hub.constants.HF_HUB_OFFLINE = True  # and where huggingface_hub was imported before
     return timm
 
 
