@@ -47,7 +47,8 @@ class DataConfig(Section):
     )
     image_size: int = Field(224, ge=8, description="Side of the square training crop, pixels.")
     val_resize: int = Field(
-        256, ge=8, description="Validation: resize the shorter side to this, then center-crop."
+        256, ge=8, description="Validation: resize the shorter side to this, then center-crop (unset "
+        "with a timm model's pretrained weights: the val crop / their crop_pct)."
     )
     batch_size: int = Field(32, ge=1, description="Images per worker per micro-step.")
     workers: NonNegativeInt | Literal["auto"] = Field(
@@ -90,8 +91,9 @@ class DataConfig(Section):
         0.2, gt=0, description="Remote (S3) roots: the first wait before a retry, in seconds.",
     )
     val_image_size: int | None = Field(
-        None, ge=8, description="Validation crop side (unset = image_size). Testing above the train "
-        "size gains accuracy (FixRes, Touvron et al. 2019).",
+        None, ge=8, description="Validation crop side (unset = image_size, or with a timm model's "
+        "pretrained weights and no image_size set, their input size). Testing above the train size gains "
+        "accuracy (FixRes, Touvron et al. 2019).",
     )
     val_interpolation: Literal["bilinear", "bicubic"] | None = Field(
         None, description="Resize filter of the val resize (unset = augment.interpolation, or a timm "
