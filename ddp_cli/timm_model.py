@@ -16,6 +16,7 @@ config and every checkpoint: validate, predict and export never need the cache.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -71,6 +72,7 @@ def import_timm(name: str) -> Any:
     import timm
 
     huggingface_hub.constants.HF_HUB_OFFLINE = True  # and where huggingface_hub was imported before
+    logging.getLogger("timm").setLevel(logging.WARNING)  # its per-rank "Missing keys (fc.weight...)": ddp checks
     return timm
 
 
