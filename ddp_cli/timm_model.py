@@ -72,7 +72,7 @@ def import_timm(name: str) -> Any:
     import timm
 
     huggingface_hub.constants.HF_HUB_OFFLINE = True  # and where huggingface_hub was imported before
-    logging.getLogger("timm").setLevel(logging.WARNING)  # its per-rank "Missing keys (fc.weight...)": ddp checks
+    logging.getLogger("timm").setLevel(logging.WARNING)  # its per-rank "Missing keys (fc...)": ddp checks
     return timm
 
 
