@@ -495,7 +495,7 @@ def with_model_source(cfg: RunConfig, folder: Path, given: set[str] = frozenset(
     if not (is_timm_model(cfg.model.name) and cfg.model.weights == PRETRAINED):
         return cfg
     weights = cached_weights(cfg.model.name)
-    settings = data_settings(data_config(weights), given, cfg.data.image_size)
+    settings = data_settings(data_config(weights), given, cfg.data.val_image_size or cfg.data.image_size)
     source = {"revision": weights.revision, "from_weights": sorted(settings)}
     return cfg.resolved({**settings, "model.name": with_tag(cfg.model.name), "model.source": source})
 

@@ -151,21 +151,22 @@ def data_config(weights: CachedWeights) -> dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def data_settings(found: dict[str, Any], given: set[str], image_size: int | None) -> dict[str, Any]:
+def data_settings(found: dict[str, Any], given: set[str], val_size: int) -> dict[str, Any]:
     """The `data.*` keys the weights' data config sets: those the run config leaves unset (`given` holds
     the keys it sets). The input size becomes the val crop only when neither data.image_size nor
-    data.val_image_size is given; the val resize is that crop over crop_pct (timm's eval transform)."""
+    data.val_image_size is given; the val resize is the val crop (`val_size` otherwise) over crop_pct
+    (timm's eval transform)."""
     out: dict[str, Any] = {}
     for key in ("mean", "std"):
         if f"data.{key}" not in given and isinstance(found.get(key), list | tuple) and len(found[key]) == 3:
             out[f"data.{key}"] = [float(v) for v in found[key]]
     if "data.val_interpolation" not in given and found.get("interpolation") in ("bilinear", "bicubic"):
         out["data.val_interpolation"] = found["interpolation"]
-    size = image_size
+    size = val_size
     input_size = found.get("input_size")
     if not given & {"data.image_size", "data.val_image_size"} and isinstance(input_size, list | tuple):
         size = out["data.val_image_size"] = int(input_size[-1])
-    if "data.val_resize" not in given and isinstance(found.get("crop_pct"), int | float) and size:
+    if "data.val_resize" not in given and isinstance(found.get("crop_pct"), int | float):
         out["data.val_resize"] = math.floor(size / found["crop_pct"])
     return out
 

@@ -17,7 +17,7 @@ from synthetic import write_timm_cache
 from ddp_cli.config import ModelConfig, load_config
 from ddp_cli.data.pipeline.transforms import normalising, to_model_input
 from ddp_cli.errors import DATA, USAGE, ConfigError, DataError
-from ddp_cli.models import build_model, check_model, classifier_head, load_weights, vit_depth
+from ddp_cli.models import build_model, check_model, classifier_head, initial_weights, load_weights, vit_depth
 from ddp_cli.plan import val_preprocessing, weights_data_config
 from ddp_cli.timm_model import TimmName, parse
 
@@ -148,6 +148,7 @@ def test_the_weights_data_config_fills_what_the_config_leaves_unset(hf_home, tmp
     assert data.image_size == 224  # training keeps ddp's own
     data = config(tmp_path).data  # image_size = 32 given: the val crop follows it, over crop_pct
     assert (data.val_image_size, data.val_resize) == (None, 40)
+    assert config(tmp_path, body="val_image_size = 40\n").data.val_resize == 50  # the val crop's
     cfg = config(tmp_path, NAME, "image_size = 32\nval_resize = 36\n", "data.mean=[0.5, 0.5, 0.5]",
                  "data.val_interpolation=bilinear")
     assert (cfg.data.mean, cfg.data.std, cfg.data.val_resize) == ((0.5,) * 3, (0.4, 0.5, 0.6), 36)
@@ -159,6 +160,13 @@ def test_the_weights_data_config_fills_what_the_config_leaves_unset(hf_home, tmp
         "data.val_resize = 36 (from the config)"]
     assert val_preprocessing(cfg) == ["Resize(36, bilinear, antialias)", "CenterCrop(32)",
                                       "Normalize(mean=(0.5, 0.5, 0.5), std=(0.4, 0.5, 0.6)) (on the device)"]
+
+
+def test_pretrained_is_timms_word_and_torchvisions_names_are_not_timms(tmp_path):
+    with pytest.raises(ConfigError, match=r"\"pretrained\" is for timm models"):
+        initial_weights(ModelConfig(name="resnet_tiny", weights="pretrained"))
+    with pytest.raises(ConfigError, match=r"DEFAULT is a torchvision weight name .* or \"pretrained\""):
+        initial_weights(ModelConfig(name=NAME, weights="DEFAULT"))
 
 
 def test_without_the_tag_the_default_one_is_recorded(hf_home, tmp_path):
