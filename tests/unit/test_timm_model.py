@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ddp_in_process
 from safetensors.torch import save_file
 from synthetic import write_timm_cache
 
@@ -104,6 +105,14 @@ def test_missing_weights_exit_3_naming_the_path_and_the_command(hf_home, tmp_pat
     message = str(err.value)
     assert f"no {cache / REPO}/snapshots/<revision>/model.safetensors" in message
     assert "`hf download timm/test_resnet.r160_in1k`" in message and "nothing is downloaded" in message
+
+
+def test_a_dry_run_without_the_weights_stops_with_one_line_exit_3(hf_home, tmp_path):
+    (tmp_path / "run.toml").write_text(f'[model]\nname = "{NAME}"\nweights = "pretrained"\n')
+    result = ddp_in_process("train", str(tmp_path / "run.toml"), "--dry-run")
+    assert result.returncode == DATA
+    line = result.stderr.strip()
+    assert "\n" not in line and "`hf download timm/test_resnet.r160_in1k`" in line
 
 
 def test_missing_weights_are_caught_by_the_launchers_check_too(hf_home, tmp_path):
