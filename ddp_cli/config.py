@@ -26,6 +26,8 @@ from pydantic import (
 )
 
 from ddp_cli.errors import ConfigError, did_you_mean
+from ddp_cli.timm_model import PRETRAINED, cached_weights, data_config, data_settings, is_timm_model, with_tag
+from ddp_cli.timm_model import parse as parse_timm
 from ddp_cli.user_model import is_user_model, locate, parse
 
 
@@ -45,7 +47,8 @@ class DataConfig(Section):
     )
     image_size: int = Field(224, ge=8, description="Side of the square training crop, pixels.")
     val_resize: int = Field(
-        256, ge=8, description="Validation: resize the shorter side to this, then center-crop."
+        256, ge=8, description="Validation: resize the shorter side to this, then center-crop (unset "
+        "with a timm model's pretrained weights: the val crop / their crop_pct)."
     )
     batch_size: int = Field(32, ge=1, description="Images per worker per micro-step.")
     workers: NonNegativeInt | Literal["auto"] = Field(
@@ -88,8 +91,21 @@ class DataConfig(Section):
         0.2, gt=0, description="Remote (S3) roots: the first wait before a retry, in seconds.",
     )
     val_image_size: int | None = Field(
-        None, ge=8, description="Validation crop side (unset = image_size). Testing above the train "
-        "size gains accuracy (FixRes, Touvron et al. 2019).",
+        None, ge=8, description="Validation crop side (unset = image_size, or with a timm model's "
+        "pretrained weights and no image_size set, their input size). Testing above the train size gains "
+        "accuracy (FixRes, Touvron et al. 2019).",
+    )
+    val_interpolation: Literal["bilinear", "bicubic"] | None = Field(
+        None, description="Resize filter of the val resize (unset = augment.interpolation, or a timm "
+        "model's pretrained weights' own).",
+    )
+    mean: tuple[float, float, float] | None = Field(
+        None, description="Normalisation mean per channel (RGB, 0-1), of train and val inputs (unset = "
+        "ImageNet's, or a timm model's pretrained weights' own).",
+    )
+    std: tuple[float, float, float] | None = Field(
+        None, description="Normalisation std per channel (RGB, 0-1) (unset = ImageNet's, or a timm "
+        "model's pretrained weights' own).",
     )
     min_image_size: int | None = Field(
         None, ge=8, description="Progressive resizing: the train crop of the first epochs (unset = "
@@ -172,6 +188,10 @@ class ModelSource(Section):
     sha256: str | None = Field(None, description="The model file's sha256 when the config was read: "
                                "validate, predict, export and a resume warn when the file has changed "
                                "since.")
+    revision: str | None = Field(None, description="A timm model's pretrained weights: the Hugging Face "
+                                 "hub revision (commit) of the cached snapshot the run started from.")
+    from_weights: list[str] = Field(default_factory=list, description="A timm model's pretrained "
+                                    "weights: the data.* keys set from their data config (pretrained_cfg).")
 
 
 class ModelConfig(Section):
@@ -179,11 +199,13 @@ class ModelConfig(Section):
         "resnet18", description="A torchvision classification model, 'resnet_tiny', or a model of your own: "
         "\"package.module:factory\" (importable from the run config's folder, the working directory or "
         "PYTHONPATH) or \"path/to/file.py:factory\" (relative to the run config's folder), any callable "
-        "returning an nn.Module, called with num_classes= when it takes it and with model.kwargs.",
+        "returning an nn.Module, called with num_classes= when it takes it and with model.kwargs; or "
+        "timm's: \"timm/<architecture>[.<pretrained tag>]\" (the timm extra).",
     )
     source: ModelSource | None = Field(
-        None, description="Set by ddp when it reads the config, for a model of your own (not to be set by "
-        "hand): where it was imported from and the file's sha256, recorded in the run dir's config.toml "
+        None, description="Set by ddp when it reads the config, for a model of your own or timm's "
+        "pretrained weights (not to be set by hand): where it was imported from and the file's sha256, or "
+        "the weights' hub revision and the data keys they set, recorded in the run dir's config.toml "
         "and every checkpoint so that validate, predict and export rebuild it.",
     )
     channels_last: bool = Field(False, description="NHWC memory format (faster convs on CPU/GPU).")
@@ -191,7 +213,9 @@ class ModelConfig(Section):
     weights: str | None = Field(
         None, description="Initial weights: a local file (a state dict or a ddp checkpoint), or a "
         "torchvision weight name (\"DEFAULT\", \"IMAGENET1K_V2\", ...) read from the torch hub cache "
-        "($TORCH_HOME); loaded with weights_only=True, nothing is downloaded.",
+        "($TORCH_HOME); for a timm model \"pretrained\": its tag's weights from the local Hugging Face "
+        "cache ($HF_HUB_CACHE, $HF_HOME), a fresh head where the class count differs. Loaded with "
+        "weights_only=True, nothing is downloaded.",
     )
     new_head: bool = Field(
         False, description="With weights: start a fresh classifier when the file's class count "
@@ -212,9 +236,9 @@ class ModelConfig(Section):
     @field_validator("name")
     @classmethod
     def _reference(cls, name: str) -> str:
-        if is_user_model(name):
+        if is_user_model(name) or is_timm_model(name):
             try:
-                parse(name)
+                parse(name) if is_user_model(name) else parse_timm(name)
             except ConfigError as e:
                 raise ValueError(str(e).removeprefix("model.name: ")) from None
         return name
@@ -457,16 +481,31 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"{path}: TOML syntax error: {e}") from e
     for item in overrides:
         apply_override(raw, item)
-    return with_model_source(config_from_dict(raw, source=str(path)), path.parent)
+    return with_model_source(config_from_dict(raw, source=str(path)), path.parent, set(dotted_keys(raw)))
 
 
-def with_model_source(cfg: RunConfig, folder: Path) -> RunConfig:
+def with_model_source(cfg: RunConfig, folder: Path, given: set[str] = frozenset()) -> RunConfig:
     """A model of the user's own located from the config's `folder` (`user_model.locate`): every process
-    that builds it later, wherever it starts, imports it from there."""
-    if not is_user_model(cfg.model.name):
+    that builds it later, wherever it starts, imports it from there. A timm model's pretrained weights
+    found in the local cache (exit 3 if they are not), their tag made explicit and their data config
+    applied to the `data.*` keys the run config does not set (`given`: the keys it sets)."""
+    if is_user_model(cfg.model.name):
+        name, source = locate(cfg.model.name, folder)
+        return cfg.resolved({"model.name": name, "model.source": source})
+    if not (is_timm_model(cfg.model.name) and cfg.model.weights == PRETRAINED):
         return cfg
-    name, source = locate(cfg.model.name, folder)
-    return cfg.resolved({"model.name": name, "model.source": source})
+    weights = cached_weights(cfg.model.name)
+    settings = data_settings(data_config(weights), given, cfg.data.val_image_size or cfg.data.image_size)
+    source = {"revision": weights.revision, "from_weights": sorted(settings)}
+    return cfg.resolved({**settings, "model.name": with_tag(cfg.model.name), "model.source": source})
+
+
+def dotted_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every leaf key of a TOML table, dotted (`data.val_resize`)."""
+    keys = []
+    for key, value in raw.items():
+        keys += dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key]
+    return keys
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> RunConfig:

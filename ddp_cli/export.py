@@ -25,10 +25,12 @@ import torch
 from torch import nn
 
 from ddp_cli import __version__
-from ddp_cli.data.pipeline.transforms import MEAN, STD
+from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.errors import ConfigError, require_extra
 from ddp_cli.io import atomic_write, write_text
 from ddp_cli.models import TINY, builder_kwargs, first_line
+from ddp_cli.timm_model import is_timm_model
+from ddp_cli.timm_model import parse as parse_timm
 from ddp_cli.train.checkpoint import read_manifest
 from ddp_cli.train.checkpoint_model import Trained, load_trained, warn_if_changed
 from ddp_cli.user_model import is_user_model
@@ -121,7 +123,11 @@ def write_torchscript(model: nn.Module, trained: Trained, out: Path) -> tuple[st
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", JIT_DEPRECATED, FutureWarning)
-        traced = torch.jit.trace(model, example_input(trained), check_trace=False)
+        try:
+            traced = torch.jit.trace(model, example_input(trained), check_trace=False)
+        except Exception as e:  # whatever the model's forward does that tracing cannot follow
+            raise ConfigError(f"--format torchscript: {trained.cfg.model.name} cannot be traced "
+                              f"({first_line(e)}); use --format onnx or state_dict") from e
         if not reproduces(traced, model, trained):
             raise ConfigError(f"--format torchscript: the trace of {trained.cfg.model.name} does not "
                               "reproduce the model; use --format onnx or state_dict")
@@ -200,6 +206,8 @@ def builder(trained: Trained) -> tuple[str, dict[str, Any]]:
     name, kwargs = trained.cfg.model.name, builder_kwargs(trained.cfg.model, trained.cfg.data.image_size)
     if is_user_model(name):
         return name, kwargs  # "package.module:factory" or "/abs/file.py:factory"
+    if is_timm_model(name):  # timm.create_model("resnet50.a1_in1k", num_classes=..., **kwargs)
+        return "timm.create_model", {"model_name": parse_timm(name).timm_name, **kwargs}
     return ("ddp_cli.models.TinyResNet" if name == TINY else f"torchvision.models.{name}"), kwargs
 
 
@@ -229,12 +237,14 @@ def model_card(trained: Trained, fmt: str, out: Path, sha256: str, size: int) ->
 def input_spec(trained: Trained, fmt: str) -> dict[str, Any]:
     """Validation's preprocessing (ddp_cli.data.pipeline.images.decode, transforms.ValTransform and
     to_model_input), for a program that prepares images without ddp."""
+    mean, std = normalising(trained.cfg.data)
     return {
         **({"name": ONNX_INPUT} if fmt == "onnx" else {}),
         "layout": "NCHW", "channels": "RGB", "dtype": "float32",
         "image_size": input_size(trained), "resize": trained.cfg.data.val_resize,
-        "interpolation": trained.cfg.augment.interpolation, "antialias": True,
-        "value_range": [0.0, 1.0], "mean": list(MEAN), "std": list(STD),
+        "interpolation": trained.cfg.data.val_interpolation or trained.cfg.augment.interpolation,
+        "antialias": True, "value_range": [0.0, 1.0],
+        "mean": list(mean), "std": list(std),
         "decode": "JPEGs at the coarsest DCT scale (1/8, 1/4, 1/2) that still covers the resized "
                   "image, as PIL's image.draft('RGB', (ceil(width * s), ceil(height * s))) with "
                   "s = resize / shorter side does; pixel values a little off a full decode",

@@ -1,5 +1,6 @@
-"""Models by name: every torchvision classification model, `resnet_tiny` for small images, and a
-factory of the user's own (`package.module:factory`, `file.py:factory`: `ddp_cli.user_model`).
+"""Models by name: every torchvision classification model, `resnet_tiny` for small images, a
+factory of the user's own (`package.module:factory`, `file.py:factory`: `ddp_cli.user_model`), and
+timm's (`timm/<architecture>[.<tag>]`: `ddp_cli.timm_model`).
 
 `build_model` makes the real, freshly initialised network in a worker (with
 `model.kwargs` for its builder); `load_weights` and `freeze` are the
@@ -26,6 +27,8 @@ from torch import nn
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 from ddp_cli.io import is_checkpoint, load_plain
+from ddp_cli.timm_model import PRETRAINED, build_pretrained, cached_weights, import_timm, is_timm_model
+from ddp_cli.timm_model import build as timm_builder
 from ddp_cli.user_model import call, factory, is_user_model
 
 TINY = "resnet_tiny"
@@ -37,8 +40,10 @@ OLD_DENSENET = re.compile(
     r"^(.*denselayer\d+\.(?:norm|relu|conv))\.([12]\.(?:weight|bias|running_mean|running_var))$")
 AUX_HEADS = ("AuxLogits.", "aux1.", "aux2.")  # inception_v3's and googlenet's; ddp builds them without
 MOBILENET_V3_KWARGS = ["width_mult", "reduced_tail", "dilated"]  # read by its builders, not its class
-VIT_BLOCK = re.compile(r"encoder\.layers\.encoder_layer_(\d+)\.")
-VIT_EMBEDDINGS = ("conv_proj.", "class_token", "encoder.pos_embedding")
+# torchvision's ViT blocks and timm's (ViT, DeiT, BEiT, EVA: blocks.N at the top)
+VIT_BLOCK = re.compile(r"(?:encoder\.layers\.encoder_layer_|blocks\.)(\d+)\.")
+VIT_EMBEDDINGS = ("conv_proj.", "class_token", "encoder.pos_embedding",  # torchvision's
+                  "patch_embed.", "cls_token", "reg_token", "pos_embed")  # timm's
 
 
 class BasicBlock(nn.Module):
@@ -94,7 +99,9 @@ def known_models() -> list[str]:
 def import_builders(name: str) -> None:
     """Import now what building model `name` needs (torchvision: ~2 s), to pay for it while
     something else runs (the launcher's index build)."""
-    if name != TINY and not is_user_model(name):
+    if is_timm_model(name):
+        import_timm(name)
+    elif name != TINY and not is_user_model(name):
         import torchvision  # noqa: F401
 
 
@@ -165,6 +172,8 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int = 224) -> nn
     """A freshly initialised model (the caller seeds the RNG identically on every rank)."""
     if is_user_model(cfg.name):
         return user_model(cfg, num_classes)
+    if is_timm_model(cfg.name):  # create_model takes **kwargs: a wrong one is the class's TypeError
+        return call(cfg.name, timm_builder(cfg.name), num_classes, cfg.kwargs)
     builder = model_builder(cfg.name)
     check_kwargs(cfg, image_size)
     try:
@@ -234,7 +243,9 @@ def check_model(cfg: RunConfig, num_classes: int) -> nn.Module:
                               f"({first_line(e)}); raise data.image_size (and data.min_image_size), "
                               "torchvision trains most models at 224, inception_v3 at 299") from e
         check_logits(logits, cfg.model.name, num_classes)
-    if cfg.model.weights:
+    if is_timm_pretrained(cfg.model):
+        cached_weights(cfg.model.name)  # there, or exit 3; timm fits them (a fresh head where needed)
+    elif cfg.model.weights:
         select_weights(model.state_dict(), initial_weights(cfg.model), cfg.model, num_classes)
     check_finetune(model, cfg)
     return model
@@ -264,16 +275,25 @@ def check_finetune(model: nn.Module, cfg: RunConfig) -> None:
 
 
 def is_weight_name(weights: str) -> bool:
-    """A torchvision weight name rather than a file (a file so named is given as "./DEFAULT")."""
-    return WEIGHT_NAME.fullmatch(weights) is not None
+    """A torchvision weight name or timm's "pretrained" rather than a file (a file so named is given as
+    "./DEFAULT")."""
+    return weights == PRETRAINED or WEIGHT_NAME.fullmatch(weights) is not None
+
+
+def is_timm_pretrained(cfg: ModelConfig) -> bool:
+    return is_timm_model(cfg.name) and cfg.weights == PRETRAINED
 
 
 def hub_weights(cfg: ModelConfig) -> tuple[Path, str]:
     """The file torchvision would download for the weights `cfg.weights` names (in torch's hub cache,
     $TORCH_HOME/hub/checkpoints) and its URL; nothing is downloaded."""
-    if cfg.name == TINY or is_user_model(cfg.name):
+    if cfg.weights == PRETRAINED:
+        raise ConfigError(f"model.weights: \"{PRETRAINED}\" is for timm models (\"timm/<architecture>\"); "
+                          f"for {cfg.name} give a file or a torchvision weight name (\"DEFAULT\")")
+    if cfg.name == TINY or is_user_model(cfg.name) or is_timm_model(cfg.name):
+        other = f' or "{PRETRAINED}"' if is_timm_model(cfg.name) else ""
         raise ConfigError(f"model.weights: {cfg.weights} is a torchvision weight name and {cfg.name} has "
-                          "none; give a file")
+                          f"none; give a file{other}")
     import torchvision
 
     enum = torchvision.models.get_model_weights(cfg.name)
@@ -354,9 +374,48 @@ def select_weights(expected: Mapping[str, torch.Tensor], found: dict[str, torch.
 
 
 def load_weights(model: nn.Module, cfg: ModelConfig, num_classes: int) -> None:
-    """Copy `model.weights` into a freshly built model (in place, on every rank)."""
+    """Copy `model.weights` into a freshly built model (in place, on every rank); a timm model's
+    "pretrained" as timm loads them from the local cache."""
+    if is_timm_pretrained(cfg):
+        model.load_state_dict(timm_pretrained(cfg, num_classes).state_dict())
+        return
     model.load_state_dict(select_weights(model.state_dict(), initial_weights(cfg), cfg, num_classes),
                           strict=False)
+
+
+def timm_pretrained(cfg: ModelConfig, num_classes: int) -> nn.Module:
+    """A timm model built with its cached pretrained weights, every tensor loaded but a classifier for
+    another class count: timm loads those non-strictly, so a file missing part of the body would otherwise
+    leave it silently random (DataError naming what is missing)."""
+    with load_results() as results:
+        model = call(cfg.name, build_pretrained(cfg.name), num_classes, cfg.kwargs)
+    head, weights = model.pretrained_cfg.get("classifier") or (), model.pretrained_cfg.get("num_classes")
+    fresh = {f"{c}.{p}" for c in ((head,) if isinstance(head, str) else head) for p in ("weight", "bias")
+             if num_classes != weights}  # the keys timm leaves out on purpose
+    missing = [k for r in results for k in r.missing_keys if k not in fresh]
+    unexpected = [k for r in results for k in r.unexpected_keys]
+    if missing or unexpected:
+        raise DataError(f"model.weights: the cached pretrained weights of {cfg.name} do not fit it: "
+                        f"{_names('missing', missing)}{_names('unexpected', unexpected)}fetch them again "
+                        "(`hf download`) or unset model.weights")
+    return model
+
+
+@contextmanager
+def load_results() -> Iterator[list]:
+    """Every `load_state_dict` result while inside: what a non-strict load (timm's) left out."""
+    results, original = [], nn.Module.load_state_dict
+
+    def recording(module: nn.Module, state_dict: Mapping, strict: bool = True, assign: bool = False):
+        result = original(module, state_dict, strict=strict, assign=assign)
+        results.append(result)
+        return result
+
+    nn.Module.load_state_dict = recording
+    try:
+        yield results
+    finally:
+        nn.Module.load_state_dict = original
 
 
 def frozen_parameters(model: nn.Module, cfg: ModelConfig) -> list[str]:
@@ -401,12 +460,13 @@ def classifier_head(model: nn.Module, name: str = "the model") -> str:
 
 
 def vit_depth(model: nn.Module, name: str) -> int:
-    """L, the encoder blocks of a torchvision ViT; layer-wise LR decay is defined for nothing else."""
+    """L, the encoder blocks of a ViT (torchvision's or timm's); layer-wise LR decay is defined for
+    nothing else."""
     blocks = {int(m.group(1)) for p, _ in model.named_parameters() if (m := VIT_BLOCK.match(p))}
     if not blocks:
         raise ConfigError(f"optim.layer_decay: layer-wise LR decay needs a ViT (torchvision vit_*: "
-                          f"encoder.layers.encoder_layer_N); {name} has no such layers; set "
-                          "optim.layer_decay = 1 (a model of your own: name its blocks so)")
+                          f"encoder.layers.encoder_layer_N; timm's: blocks.N); {name} has no such layers; "
+                          "set optim.layer_decay = 1 (a model of your own: name its blocks so)")
     return max(blocks) + 1
 
 

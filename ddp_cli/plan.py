@@ -6,13 +6,12 @@ from typing import Any
 
 from ddp_cli.config import AugmentConfig, RunConfig
 from ddp_cli.data.pipeline.augment import op_names
+from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.distributed.reduce import powersgd_warmup
-from ddp_cli.models import count_parameters
+from ddp_cli.models import count_parameters, is_timm_pretrained
 from ddp_cli.preflight import Preflight
 from ddp_cli.train.optim import param_groups
 from ddp_cli.train.schedules import lr_factor, warmup_steps
-
-NORMALIZE = "Normalize(ImageNet mean, std) (on the device)"
 
 
 def lr_preview(cfg: RunConfig, lr: float, steps: int) -> dict[str, float]:
@@ -48,7 +47,15 @@ def augmentation(cfg: RunConfig) -> list[str]:
     crop = (f"RandomResizedCrop({data.image_size}, scale=({data.min_crop_scale:g}, 1), {aug.interpolation}, "
             "antialias)")
     flip = ["RandomHorizontalFlip"] if data.hflip else []
-    return [*sampler, crop, *flip, *op_names(aug), NORMALIZE, *mixing(aug)]
+    return [*sampler, crop, *flip, *op_names(aug), normalize(cfg), *mixing(aug)]
+
+
+def normalize(cfg: RunConfig) -> str:
+    data = cfg.data
+    if data.mean is None and data.std is None:
+        return "Normalize(ImageNet mean, std) (on the device)"
+    mean, std = (", ".join(f"{v:g}" for v in values) for values in normalising(data))
+    return f"Normalize(mean=({mean}), std=({std})) (on the device)"
 
 
 def mixing(aug: AugmentConfig) -> list[str]:
@@ -62,8 +69,23 @@ def mixing(aug: AugmentConfig) -> list[str]:
 
 def val_preprocessing(cfg: RunConfig) -> list[str]:
     data = cfg.data
-    return [f"Resize({data.val_resize}, {cfg.augment.interpolation}, antialias)",
-            f"CenterCrop({data.val_image_size or data.image_size})", NORMALIZE]
+    return [f"Resize({data.val_resize}, {data.val_interpolation or cfg.augment.interpolation}, antialias)",
+            f"CenterCrop({data.val_image_size or data.image_size})", normalize(cfg)]
+
+
+def weights_data_config(cfg: RunConfig) -> list[str]:
+    """For a timm model's pretrained weights: each key of validation's preprocessing, its value and
+    whether the weights' data config or the run config set it."""
+    if not is_timm_pretrained(cfg.model):
+        return []
+    data, taken = cfg.data, cfg.model.source.from_weights if cfg.model.source else []
+    mean, std = normalising(data)
+    values = {"data.mean": list(mean), "data.std": list(std),
+              "data.val_interpolation": data.val_interpolation or cfg.augment.interpolation,
+              "data.val_image_size": data.val_image_size or data.image_size,
+              "data.val_resize": data.val_resize}
+    return [f"{key} = {value} (from the {'weights' if key in taken else 'config'})"
+            for key, value in values.items()]
 
 
 def groups(run: Preflight) -> list[dict[str, Any]]:
@@ -106,6 +128,7 @@ def describe(run: Preflight) -> dict[str, Any]:
         "image_size": image_sizes(cfg),
         "augmentation": augmentation(cfg),
         "val_preprocessing": val_preprocessing(cfg),
+        **({"weights_data_config": found} if (found := weights_data_config(cfg)) else {}),
         "data_workers": run.loaders.as_dict(),  # loader processes and prefetch per worker, and why
         "precision": workers.precision,  # "auto" resolved for this node's devices
         "channels_last": cfg.model.channels_last,

@@ -138,3 +138,30 @@ class Net(nn.Module):
 def make(num_classes, width=4):
     return Net(num_classes, width)
 """
+
+
+def write_timm_cache(hf_home: Path, name: str = "test_resnet.r160_in1k", revision: str = "0" * 40,
+                     **cfg_changes) -> dict:
+    """The pretrained weights of timm model `name` (architecture.tag) as `hf download timm/<name>` leaves
+    them under HF_HOME: hub/models--timm--<name>/refs/main naming a snapshot holding model.safetensors (a
+    seeded 1000-class model's state, returned) and config.json with its pretrained_cfg (`cfg_changes`
+    changed)."""
+    import json
+
+    import timm
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1234)
+    model = timm.create_model(name, pretrained=False)
+    repo = hf_home / "hub" / f"models--timm--{name}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs/main").write_text(revision)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(snapshot / "model.safetensors"))
+    cfg = {**model.pretrained_cfg, **cfg_changes}
+    (snapshot / "config.json").write_text(json.dumps(
+        {"architecture": name.split(".")[0], "num_classes": 1000, "pretrained_cfg": cfg}))
+    return state

@@ -12,6 +12,7 @@ from torch import nn
 
 from ddp_cli.config import RunConfig
 from ddp_cli.data.pipeline.loaders import build_loaders, eval_loader
+from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.io import write_text
@@ -40,7 +41,8 @@ def validate_job(cfg: RunConfig, ctx: DistContext, entry: DatasetEntry, index: I
     loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
                             pin_memory=ctx.device.type == "cuda", train=False, augment=cfg.augment)
     totals = evaluate(model, loaders.val, ctx.device, precision, cfg.model.channels_last,
-                      topk=tuple(job.topk), tta=job.tta, keep_topk=max(job.topk) if job.predictions else 0)
+                      topk=tuple(job.topk), tta=job.tta, keep_topk=max(job.topk) if job.predictions else 0,
+                      norm=normalising(cfg.data))
     about = {"checkpoint": job.checkpoint, "dataset": entry.name, "split": "val", "weights": job.weights}
     if ctx.is_main:
         write_validation_files(job, totals, entry, index, about)
@@ -72,7 +74,8 @@ def predict_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEn
     loader = eval_loader(cfg.data, fs, root, split, ctx.rank, ctx.world_size, cfg.seed,
                          pin_memory=ctx.device.type == "cuda", on_bad_image="report",
                          interpolation=cfg.augment.interpolation)
-    rows = predict(model, loader, ctx.device, precision, cfg.model.channels_last, job.topk[0])
+    rows = predict(model, loader, ctx.device, precision, cfg.model.channels_last, job.topk[0],
+                   normalising(cfg.data))
     if writes:
         prefix = entry.storage.path.rstrip("/")
         lines = [json.dumps(answer(f"{prefix}/{split.paths[position]}", int(split.labels[position]), error,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_cli.data.pipeline.loaders import Batch, requested, skipped_files
-from ddp_cli.data.pipeline.transforms import to_model_input
+from ddp_cli.data.pipeline.transforms import IMAGENET, Norm, to_model_input
 from ddp_cli.distributed.setup import queued_copy
 from ddp_cli.errors import DataError
 from ddp_cli.train.metrics import DEFAULT_TOPK, EvalTotals
@@ -34,12 +34,13 @@ def raise_bad_images(errors: Sequence[str]) -> None:
 
 
 def logits_by_batch(model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool,
-                    tta: bool = False) -> Iterator[tuple[list[int], torch.Tensor, Batch]]:
+                    tta: bool = False,
+                    norm: Norm = IMAGENET) -> Iterator[tuple[list[int], torch.Tensor, Batch]]:
     """Per batch: the items' split positions, float logits, and the batch."""
     model.eval()
     positions = iter(loader.sampler)
     for batch in loader:
-        x = to_model_input(batch.images, device, channels_last)
+        x = to_model_input(batch.images, device, channels_last, norm)
         with autocast(device, precision):
             logits = model(x).float()
             if tta:
@@ -51,7 +52,7 @@ def logits_by_batch(model: nn.Module, loader, device: torch.device, precision: s
 def evaluate(
     model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool,
     bad: set[str] | None = None, topk: tuple[int, ...] = DEFAULT_TOPK, tta: bool = False,
-    keep_topk: int = 0,
+    keep_topk: int = 0, norm: Norm = IMAGENET,
 ) -> EvalTotals:
     """Loss, top-k and the confusion matrix over this rank's exact shard, summed across ranks.
 
@@ -59,7 +60,8 @@ def evaluate(
     split's good images) and the bad file goes into `bad`.
     """
     totals = EvalTotals(device, topk, keep_topk)
-    for positions, logits, batch in logits_by_batch(model, loader, device, precision, channels_last, tta):
+    batches = logits_by_batch(model, loader, device, precision, channels_last, tta, norm)
+    for positions, logits, batch in batches:
         raise_bad_images(batch.errors)
         keep = queued_copy(requested(batch.skipped), device) if any(batch.skipped) else None
         totals.add(logits, batch.labels.to(device, non_blocking=True), keep, positions)
@@ -71,11 +73,12 @@ def evaluate(
 
 @torch.no_grad()
 def predict(model: nn.Module, loader, device: torch.device, precision: str, channels_last: bool,
-            k: int) -> list[tuple[int, str, list[int], list[float]]]:
+            k: int, norm: Norm = IMAGENET) -> list[tuple[int, str, list[int], list[float]]]:
     """Every rank's (position, error, top-k classes, probabilities), in split order; a bad image is
     its error message with no classes, and the others are still predicted."""
     rows = []
-    for positions, logits, batch in logits_by_batch(model, loader, device, precision, channels_last):
+    for positions, logits, batch in logits_by_batch(model, loader, device, precision, channels_last,
+                                                    norm=norm):
         probs, classes = logits.softmax(dim=1).topk(min(k, logits.shape[1]), dim=1)
         for position, error, top, p in zip(positions, batch.errors, classes.tolist(), probs.tolist(),
                                            strict=True):

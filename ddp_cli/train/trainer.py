@@ -27,7 +27,7 @@ from torch import nn
 from ddp_cli.config import ModelConfig, RunConfig, TrainConfig, config_from_dict
 from ddp_cli.data.fetch.retry import retries_so_far
 from ddp_cli.data.pipeline.loaders import Batch, Loaders, skipped_files
-from ddp_cli.data.pipeline.transforms import to_model_input
+from ddp_cli.data.pipeline.transforms import normalising, to_model_input
 from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext, queued_copy
 from ddp_cli.errors import ConfigError, DivergedError
@@ -214,7 +214,8 @@ class Trainer:
         """The loss of one (micro-)batch, divided by the micro-batches that make the step; with MixUp or
         CutMix on, of the step's mix of it, against the mixed labels."""
         raise_bad_images(batch.errors)
-        x = to_model_input(batch.images, self.ctx.device, self.cfg.model.channels_last)
+        x = to_model_input(batch.images, self.ctx.device, self.cfg.model.channels_last,
+                           normalising(self.cfg.data))
         y = batch.labels.to(self.ctx.device, non_blocking=True)
         mix = self.mixing.draw(self.state.step, x) if self.mixing else None
         if mix:
@@ -275,7 +276,7 @@ class Trainer:
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
         return evaluate(module, self.loaders.val, self.ctx.device,
-                        self.precision, self.cfg.model.channels_last, bad)
+                        self.precision, self.cfg.model.channels_last, bad, norm=normalising(self.cfg.data))
 
     def resume(self, path: str | Path) -> None:
         """Continue exactly where a checkpoint left off, mid-epoch included; at another world size,

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from ddp_cli.config import AugmentConfig, DataConfig, RunConfig
 from ddp_cli.data.pipeline.augment import MEAN_PIXEL, augmentation, op_names, train_transform
 from ddp_cli.data.pipeline.images import open_image
-from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset
+from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset, eval_loader
 from ddp_cli.data.pipeline.transforms import MEAN, STD, ValTransform, crop_resize
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.plan import augmentation as plan_augmentation
@@ -173,6 +173,15 @@ def test_val_and_train_transforms_take_the_interpolation():
         torch.manual_seed(3)
         train[mode] = train_transform(DataConfig(image_size=32), AugmentConfig(interpolation=mode))(data)
     assert not torch.equal(train["bilinear"], train["bicubic"])
+
+
+def test_the_val_loader_takes_data_val_interpolation_over_augments(jpeg_split):
+    root, split = jpeg_split
+    fs = fsspec.filesystem("file")
+    for val, expected in ((None, "bicubic"), ("bilinear", "bilinear")):
+        data = DataConfig(image_size=32, val_interpolation=val, workers=0)
+        loader = eval_loader(data, fs, root, split, 0, 1, 0, False, interpolation="bicubic")
+        assert loader.dataset.transform.interpolation == expected
 
 
 @pytest.fixture

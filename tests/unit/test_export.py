@@ -254,3 +254,14 @@ def test_a_trace_that_does_not_reproduce_the_model_is_refused(checkpoint, tmp_pa
                     "--out", str(tmp_path / "m.ts"))
     assert "the trace of resnet18 does not reproduce the model" in one_line_error(result, 2, as_json=False)
     assert not (tmp_path / "m.ts").exists()
+
+
+def test_a_model_tracing_cannot_follow_is_refused_in_one_line(checkpoint, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Tracer cannot infer type of output[0]\nsecond line")
+
+    monkeypatch.setattr(torch.jit, "trace", refuse)
+    result = invoke("export", "--checkpoint", str(checkpoint), "--format", "torchscript",
+                    "--out", str(tmp_path / "m.ts"))
+    line = one_line_error(result, 2, as_json=False)
+    assert "resnet18 cannot be traced (Tracer cannot infer type of output[0]); use --format onnx" in line

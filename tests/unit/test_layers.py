@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ddp_cli"
 LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli", "ddp_cli.errors", "ddp_cli.fastexit"),
     ("ddp_cli.io",),
-    ("ddp_cli.user_model",),
+    ("ddp_cli.user_model", "ddp_cli.timm_model"),
     ("ddp_cli.config", "ddp_cli.starter"),
     ("ddp_cli.config_view",),
     # data/'s rooms: bytes from storage, the listing of a data set, the input pipeline, writing shards

@@ -148,7 +148,7 @@ def choose_loaders(cfg: DataConfig, device: str, nproc: int, fs: fsspec.Abstract
         cores = cores_per_rank(nproc)
         size = cfg.image_size if train else cfg.val_image_size or cfg.image_size
         transform = train_transform(cfg, augment, size) if train else \
-            ValTransform(size, cfg.val_resize, augment.interpolation)
+            ValTransform(size, cfg.val_resize, cfg.val_interpolation or augment.interpolation)
         decode = decode_ms(fs, root, split, transform)
         cost = model_ms(model, size, train) if device == "cpu" and cores > 1 else None
         workers, rule = choose_workers(cores, device, decode, cost)

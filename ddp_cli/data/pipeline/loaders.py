@@ -310,8 +310,10 @@ def eval_loader(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str, split
                 world_size: int, seed: int, pin_memory: bool, on_bad_image: str | None = None,
                 interpolation: str = "bilinear") -> DataLoader:
     """Validation's pipeline over `split` in order, this rank's every k-th item: nothing padded or
-    dropped. `on_bad_image` "report" (predict) hands a bad file's reason over as the item's error."""
-    transform = ValTransform(cfg.val_image_size or cfg.image_size, cfg.val_resize, interpolation)
+    dropped. `on_bad_image` "report" (predict) hands a bad file's reason over as the item's error;
+    `interpolation` is the val resize's unless `data.val_interpolation` is set."""
+    transform = ValTransform(cfg.val_image_size or cfg.image_size, cfg.val_resize,
+                             cfg.val_interpolation or interpolation)
     dataset = ImageDataset(fs, root, split, transform, on_bad_image or cfg.on_bad_image, transform.size,
                            cfg.cache_dir, shard_cache(cfg), IoPolicy.of(cfg), cfg.shuffle_shards)
     sampler = ShardSampler(len(dataset), rank, world_size, shuffle=False)

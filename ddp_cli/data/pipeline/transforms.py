@@ -8,7 +8,7 @@ pixel, overshoot saturated). The train crop then gets the run's per-image
 augmentation (`augment.py`). Workers ship uint8 HWC tensors
 (4x less to copy and pin than float); the device does the `permute` (which
 yields channels_last strides for free), the float conversion and the
-ImageNet normalisation.
+normalisation (ImageNet's, or the run's `data.mean` and `data.std`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ddp_cli.config import DataConfig
 from ddp_cli.data.pipeline.images import EncodedImage, decode
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
+Norm = tuple[tuple[float, ...], tuple[float, ...]]  # (mean, std) per channel, of 0-1 pixels
+IMAGENET: Norm = (MEAN, STD)
+
+
+def normalising(data: DataConfig) -> Norm:
+    """The run's (mean, std): `data.mean` and `data.std` where set (a timm model's weights set them), else
+    ImageNet's."""
+    return data.mean or MEAN, data.std or STD
 
 
 class TrainTransform:
@@ -97,23 +106,23 @@ def crop_resize(pixels: torch.Tensor, box: tuple[float, float, float, float], si
 
 
 def to_model_input(
-    images: torch.Tensor, device: torch.device, channels_last: bool
+    images: torch.Tensor, device: torch.device, channels_last: bool, norm: Norm = IMAGENET
 ) -> torch.Tensor:
-    """uint8 NHWC batch -> normalised float NCHW on `device` (channels_last if asked)."""
+    """uint8 NHWC batch -> float NCHW on `device` (channels_last if asked), normalised by `norm`."""
     x = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
     out = torch.empty(x.shape, dtype=torch.float32, device=device,
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     out.copy_(x)  # layout and dtype in one pass, then two in-place passes: (x/255 - mean)/std
-    scale, shift = normalisation(device)
+    scale, shift = normalisation(device, norm)
     return out.mul_(scale).add_(shift)
 
 
-def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def normalisation(device: torch.device, norm: Norm = IMAGENET) -> tuple[torch.Tensor, torch.Tensor]:
     """The (scale, shift) of `to_model_input`, per channel, filled on `device` from Python numbers (kernel
     arguments): a tensor copied from host memory would be a blocking copy on a GPU, stalling the host every
     batch; six tiny fills are queued like any kernel, in any fake or real mode."""
     scale, shift = torch.empty(3, device=device), torch.empty(3, device=device)
-    for c, (mean, std) in enumerate(zip(MEAN, STD, strict=True)):
+    for c, (mean, std) in enumerate(zip(*norm, strict=True)):
         scale[c].fill_(1 / (255 * std))
         shift[c].fill_(-mean / std)
     return scale.view(1, 3, 1, 1), shift.view(1, 3, 1, 1)
