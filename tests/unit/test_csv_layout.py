@@ -29,7 +29,8 @@ def rows_of(split: Split) -> list[tuple[str, int]]:
 
 
 def index(root: Path, on_bad_image: str = "skip", fs=FS, **spec):
-    return build_index(fs, str(root), "csv", on_bad_image=on_bad_image, csv=CsvListing(**spec) if spec else None)
+    return build_index(fs, str(root), "csv", on_bad_image=on_bad_image,
+                       csv=CsvListing(**spec) if spec else None)
 
 
 @pytest.fixture
@@ -64,8 +65,8 @@ def test_a_parquet_listing_reads_as_the_csv_and_its_integer_labels_as_indices(li
     root, rows = listed
     write_listing(root / "labels.parquet", rows)
     assert index(root, listing="labels.parquet").splits == index(root).splits
-    numbered = pd.DataFrame({"path": [r["path"] for r in rows], "label": [NAMES.index(r["label"]) for r in rows],
-                             "split": [r["split"] for r in rows]})
+    numbered = pd.DataFrame({"path": [r["path"] for r in rows], "split": [r["split"] for r in rows],
+                             "label": [NAMES.index(r["label"]) for r in rows]})
     numbered.to_parquet(root / "numbered.parquet", index=False)  # label: an int64 column
     table = index(root, listing="numbered.parquet")
     assert table.classes == ["0", "1", "2"] and table.splits == index(root).splits
@@ -81,8 +82,8 @@ def test_integer_labels_are_indices_0_to_the_largest_and_a_negative_one_is_rejec
     table = index(root)
     assert table.classes == ["0", "1", "2", "3", "4"]
     assert rows_of(table.splits["val"]) == val
-    assert table.problems == [{"path": "images/val_ant_0.png",
-                               "reason": f"label '-1' is not a class index (0 or more) (labels.csv line {len(rows) + 1})"}]
+    reason = f"label '-1' is not a class index (0 or more) (labels.csv line {len(rows) + 1})"
+    assert table.problems == [{"path": "images/val_ant_0.png", "reason": reason}]
 
 
 def test_a_classes_file_orders_the_classes_and_takes_names_or_indices(listed):
@@ -103,7 +104,7 @@ def test_a_classes_file_orders_the_classes_and_takes_names_or_indices(listed):
     ("3", "label '3' is neither a class of classes.txt nor an index 0 to 2"),
     ("", "empty label"),
 ])
-def test_an_unusable_label_is_refused_naming_its_row_under_error_and_left_out_under_skip(listed, label, reason):
+def test_an_unusable_label_is_refused_naming_its_row_under_error_left_out_under_skip(listed, label, reason):
     root, rows = listed
     (root / "classes.txt").write_text("\n".join(NAMES) + "\n")
     rows[4]["label"] = label
@@ -204,7 +205,8 @@ def test_dots_that_stay_inside_the_root_are_normalised(listed):
 @pytest.mark.parametrize("column", ["path", "label", "split"])
 def test_a_missing_column_is_a_data_error_naming_file_column_and_fix(listed, column):
     root, rows = listed
-    write_listing(root / "labels.csv", [{("other" if k == column else k): v for k, v in r.items()} for r in rows])
+    renamed = [{("other" if key == column else key): value for key, value in r.items()} for r in rows]
+    write_listing(root / "labels.csv", renamed)
     with pytest.raises(DataError) as info:
         index(root)
     message = str(info.value)
@@ -253,8 +255,9 @@ def test_a_parquet_listing_without_pyarrow_is_exit_2_naming_the_install(listed, 
     root, rows = listed
     write_listing(root / "labels.parquet", rows)
     monkeypatch.setitem(sys.modules, "pyarrow", None)
-    with pytest.raises(ConfigError, match=r"labels.parquet: a Parquet listing: the pyarrow package is not "
-                                          r"installed; pip install 'ddp-cli\[parquet\]' or give a CSV listing$"):
+    with pytest.raises(ConfigError, match=r"labels.parquet: a Parquet listing: the pyarrow package is "
+                                          r"not installed; pip install 'ddp-cli\[parquet\]' or give a CSV "
+                                          r"listing$"):
         index(root, listing="labels.parquet")
 
 

@@ -18,7 +18,6 @@ layouts refuse it.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import fsspec
@@ -97,7 +96,7 @@ def listing(fs: fsspec.AbstractFileSystem, root: str, splits: tuple[str, ...],
         row = rows.iloc[i]
         reason = next(name for name, rows_of in reasons.items() if rows_of[i])
         if reason == "unknown":
-            reason = unknown(row["label"])
+            reason = f"label {row['label']!r} is {unknown}"
         elif reason == "again":
             reason = f"already listed at {_where(first.loc[row['path']])}"
         rejected.append(Rejected(row["path"], reason, _where(row)))
@@ -185,9 +184,9 @@ def _read_parquet(fs: fsspec.AbstractFileSystem, path: str, columns: tuple[str, 
 
 
 def _classes(fs: fsspec.AbstractFileSystem, root: str, spec: CsvListing,
-             labels: list[str]) -> tuple[list[str], dict[str, str | None], Callable[[str], str]]:
+             labels: list[str]) -> tuple[list[str], dict[str, str | None], str]:
     """The class names in label order; per distinct label of `labels` its class name (None: no class
-    has it); and why a label with none has none."""
+    has it); and what a label with none is (`label 'x' is ...`)."""
     distinct = [value for value in labels if value]
     if spec.classes:
         names = _class_file(fs, f"{root}/{spec.classes}")
@@ -198,15 +197,15 @@ def _classes(fs: fsspec.AbstractFileSystem, root: str, spec: CsvListing,
                 return value
             return names[int(value)] if INTEGER.fullmatch(value) and 0 <= int(value) < len(names) else None
 
-        return names, {v: class_of(v) for v in distinct}, lambda value: (
-            f"label {value!r} is neither a class of {spec.classes} nor an index 0 to {len(names) - 1}")
+        return names, {v: class_of(v) for v in distinct}, (
+            f"neither a class of {spec.classes} nor an index 0 to {len(names) - 1}")
     if distinct and all(INTEGER.fullmatch(value) for value in distinct):
         count = max(int(value) for value in distinct) + 1
         names = [str(i) for i in range(count)]
-        return names, {v: str(int(v)) if int(v) >= 0 else None for v in distinct}, lambda value: (
-            f"label {value!r} is not a class index (0 or more)")
+        index_of = {v: str(int(v)) if int(v) >= 0 else None for v in distinct}
+        return names, index_of, "not a class index (0 or more)"
     names = sorted(distinct)
-    return names, {v: v for v in distinct}, lambda value: f"label {value!r} names no class"
+    return names, {v: v for v in distinct}, "every label is a class"
 
 
 def _class_file(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
