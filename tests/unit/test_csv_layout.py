@@ -54,11 +54,27 @@ def test_class_names_are_the_labels_sorted_and_rows_keep_the_listings_order(list
 
 def test_one_listing_per_split_reads_as_one_listing_with_a_split_column(listed):
     root, rows = listed
+    one = index(root)
+    (root / "labels.csv").unlink()
     for split in ("train", "val"):
         write_listing(root / f"{split}.csv", [{"image": r["path"], "class": r["label"]} for r in rows
                                               if r["split"] == split])
     per_split = index(root, listing="{split}.csv", path_column="image", label_column="class")
-    assert per_split.splits == index(root).splits and per_split.classes == NAMES
+    assert per_split.splits == one.splits and per_split.classes == NAMES
+
+
+def test_pack_reads_the_entrys_listing_a_split_at_a_time_each_problem_with_its_split(listed):
+    from ddp_cli.data.pack.writer import pack_index
+
+    root, rows = listed
+    rows[-1]["label"] = ""
+    write_listing(root / "table.csv", rows)
+    packed = pack_index(FS, str(root), "csv", ("train", "val"), "skip", CsvListing(listing="table.csv"))
+    assert packed.classes == NAMES
+    assert {split: rows_of(packed.splits[split]) for split in ("train", "val")} == {
+        split: expected(rows[:-1], split) for split in ("train", "val")}
+    assert packed.problems == [{"path": rows[-1]["path"], "split": "val",
+                                "reason": f"empty label (table.csv line {len(rows) + 1})"}]
 
 
 def test_a_parquet_listing_reads_as_the_csv_and_its_integer_labels_as_indices(listed):
