@@ -74,6 +74,7 @@ class CsvListing(BaseModel):
 
 def listing(fs: fsspec.AbstractFileSystem, root: str, splits: tuple[str, ...],
             spec: CsvListing | None = None) -> Listing:
+    """The rows of `splits`, each labelled by its class name; those that cannot train `Rejected`."""
     import pandas as pd
 
     spec = spec or CsvListing()
@@ -90,9 +91,20 @@ def listing(fs: fsspec.AbstractFileSystem, root: str, splits: tuple[str, ...],
         "again": again,
     }
     bad = np.logical_or.reduce(list(reasons.values()))
+    good = rows[~bad]
+    frames = {split: good.loc[good["split"] == split, ["path", "synset"]].reset_index(drop=True)
+              for split in splits}
+    rejected = _rejected(rows, reasons, bad & rows["split"].isin(splits).to_numpy(), unknown)
+    return Listing(names, list(names), frames, [u for split in splits for u in unsafe[split]], rejected)
+
+
+def _rejected(rows: pd.DataFrame, reasons: dict[str, np.ndarray], chosen: np.ndarray,
+              unknown: str) -> list[Rejected]:
+    """The `chosen` rows, each with the first of `reasons` that holds for it, in words."""
+    again = reasons["again"]
     first = rows[~again].drop_duplicates("path").set_index("path") if again.any() else None
     rejected = []
-    for i in np.flatnonzero(bad & rows["split"].isin(splits).to_numpy()):
+    for i in np.flatnonzero(chosen):
         row = rows.iloc[i]
         reason = next(name for name, rows_of in reasons.items() if rows_of[i])
         if reason == "unknown":
@@ -100,10 +112,7 @@ def listing(fs: fsspec.AbstractFileSystem, root: str, splits: tuple[str, ...],
         elif reason == "again":
             reason = f"already listed at {_where(first.loc[row['path']])}"
         rejected.append(Rejected(row["path"], reason, _where(row)))
-    good = rows[~bad]
-    frames = {split: good.loc[good["split"] == split, ["path", "synset"]].reset_index(drop=True)
-              for split in splits}
-    return Listing(names, list(names), frames, [u for split in splits for u in unsafe[split]], rejected)
+    return rejected
 
 
 def _where(row: pd.Series) -> str:
