@@ -138,8 +138,10 @@ def _rows(fs: fsspec.AbstractFileSystem, root: str,
             "source": f"{name} {source}",
             "number": np.arange(first, first + len(frame)),
         }).dropna(subset=["split"])
-        for split_name, rows in frame.groupby("split", sort=False):
-            paths, found = under("", rows["path"].tolist(), name, spec.path_column, suffix="")
+        odd = frame["path"].str.contains("..", regex=False) | frame["path"].str.startswith("/")
+        for split_name in SPLITS:  # only the rows `under` might change: 1.33 M rows cost seconds
+            rows = frame.loc[odd & (frame["split"] == split_name), "path"]
+            paths, found = under("", rows.tolist(), name, spec.path_column, suffix="")
             frame.loc[rows.index, "path"] = paths
             unsafe[split_name] += found
         parts.append(frame)
