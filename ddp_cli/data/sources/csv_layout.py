@@ -187,7 +187,7 @@ def _read_parquet(fs: fsspec.AbstractFileSystem, path: str, columns: tuple[str, 
     out = {}
     for name in table.column_names:
         try:
-            out[name] = pc.fill_null(table[name].cast(pa.string()), "").to_numpy(zero_copy_only=False)
+            out[name] = pc.fill_null(table[name].cast(pa.string()), "").to_pandas()  # stays Arrow strings
         except pa.ArrowException as e:
             raise DataError(f"{path}: column {name} holds {table.schema.field(name).type}, not text or "
                             "integers; write it as strings or integers") from e
