@@ -344,3 +344,12 @@ def test_a_wrong_csv_table_is_exit_2_naming_the_entry_and_key(tmp_path, entry, m
         load_registry(path)
     assert str(info.value).startswith(f"{path}: datasets[0] ('tabled'): ")
     assert message in str(info.value) and info.value.exit_code == 2
+
+
+def test_a_row_with_more_cells_than_the_header_is_a_data_error_not_a_shifted_row(listed):
+    """An unquoted comma in a path: read as it stands, each cell would land in the wrong column."""
+    root, _ = listed
+    with (root / "labels.csv").open("a") as f:
+        f.write("images/a,b.png,ant,train\n")
+    with pytest.raises(DataError, match=rf"^{root}/labels.csv: not a CSV \(.*Expected 3 columns, got 4"):
+        index(root)
