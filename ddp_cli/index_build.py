@@ -33,7 +33,8 @@ def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | N
     the launcher: a row naming an unsafe path stops the run here under on_bad_image = "error"."""
     entry = entry or load_registry(registry).get(cfg.data.dataset)
     fs, root = entry.open()
-    index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image)
+    index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image,
+                        entry.csv)
     for split, frame in index.splits.items():
         if not len(frame):
             raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "

@@ -20,6 +20,7 @@ import fsspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ddp_cli.config import describe_validation_error
+from ddp_cli.data.sources.csv_layout import CSV, CsvListing
 from ddp_cli.data.sources.layouts import KNOWN_LAYOUTS, infer_layout
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 
@@ -61,18 +62,27 @@ class DatasetEntry(BaseModel):
     name: str = Field(description="The name run configs use.")
     uuid: uuidlib.UUID | None = Field(None, description="A stable identity, as in DataSets.jl.")
     description: str = Field("", description="One line for `ddp datasets list`.")
-    layout: str = Field(AUTO, description="How files are arranged: imagenet-loc, imagefolder or shards "
-                        "(written by `ddp datasets pack`); auto (the default) looks at the root when the "
-                        "data set is opened.")
+    layout: str = Field(AUTO, description="How files are arranged: imagenet-loc, imagefolder, shards "
+                        "(written by `ddp datasets pack`) or csv (a table of paths and labels); auto (the "
+                        "default) looks at the root when the data set is opened.")
     generator: Literal["sklearn-digits"] | None = Field(
         None, description="Build the root offline on first use from data a package ships."
     )
     storage: Storage
+    csv: CsvListing | None = Field(None, description='layout = "csv": the listing and its columns '
+                                   "([datasets.csv]); unset, the defaults.")
 
     @field_validator("layout")
     @classmethod
     def known_layout(cls, layout: str) -> str:
         return one_of(layout, [AUTO, *KNOWN_LAYOUTS], "layout")
+
+    @model_validator(mode="after")
+    def csv_table_for_csv_layout(self) -> DatasetEntry:
+        if self.csv is not None and self.layout != CSV:
+            raise ValueError(f'[datasets.csv] is for layout = "csv" (this entry\'s layout: {self.layout}); '
+                             'set layout = "csv" or remove the table')
+        return self
 
     def open(self) -> tuple[fsspec.AbstractFileSystem, str]:
         """The filesystem and root path; settles `layout = "auto"` from what the root holds."""

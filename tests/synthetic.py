@@ -92,6 +92,36 @@ def make_imagefolder(root: Path, classes: int = 3, per_class: int = 4, size: int
                 image(hash((split, c, i)) % 10**6, c, size).save(folder / f"img_{i}.jpg")
 
 
+CSV_CLASSES = ("zebra", "ant", "moth")  # not in sorted order: the layout sorts them
+
+
+def make_csv_listed(root: Path, train_per_class: int = 3, val_per_class: int = 1,
+                    size: int = 16) -> list[dict[str, str]]:
+    """PNGs under `root/images/` and `root/labels.csv` listing them (`path,label,split`, labels the names
+    of CSV_CLASSES); returns the listing's rows."""
+    rows = []
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for c, name in enumerate(CSV_CLASSES):
+            for i in range(count):
+                path = f"images/{split}_{name}_{i}.png"
+                (root / path).parent.mkdir(parents=True, exist_ok=True)
+                image(hash((split, c, i)) % 10**6, c, size).save(root / path)
+                rows.append({"path": path, "label": name, "split": split})
+    write_listing(root / "labels.csv", rows)
+    return rows
+
+
+def write_listing(path: Path, rows: list[dict[str, str]]) -> None:
+    """`rows` as a CSV with their keys as its header (a .parquet name: a Parquet file of strings)."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    if path.suffix == ".parquet":
+        frame.to_parquet(path, index=False)
+    else:
+        frame.to_csv(path, index=False)
+
+
 def encoded(img: Image.Image, fmt: str = "JPEG") -> bytes:
     buffer = io.BytesIO()
     img.save(buffer, fmt)

@@ -17,7 +17,7 @@ import pytest
 import s3fs
 import torch
 from conftest import REPO, last_json, run_ddp
-from synthetic import make_imagenet_loc, plant, write_registry
+from synthetic import make_csv_listed, make_imagenet_loc, plant, write_registry
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
@@ -106,6 +106,27 @@ def test_datasets_check_on_s3_finds_the_planted_faults(s3_registry, aws):
     clean = invoke("datasets", "check", "s3data", "--registry", str(s3_registry), "--json")
     assert clean.exit_code == 0, clean.output
     assert json.loads(clean.stdout.strip().splitlines()[-1])["bad_files"] == []
+
+
+def test_a_csv_listed_data_set_reads_its_listing_from_the_bucket(s3_endpoint, aws, tmp_path):
+    """layout csv on S3: the listing and classes file read through s3fs, the listed images checked."""
+    rows = make_csv_listed(tmp_path / "tabled")
+    plant(tmp_path / "tabled", rows[2]["path"], "garbage")
+    (tmp_path / "tabled" / "classes.txt").write_text("moth\nzebra\nant\n")
+    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint},
+                           skip_instance_cache=True)
+    fs.put(f"{tmp_path / 'tabled'}/", f"{BUCKET}/tabled/", recursive=True)
+    storage = {"driver": "S3", "path": f"s3://{BUCKET}/tabled", "endpoint_url": s3_endpoint}
+    registry = write_registry(tmp_path, [{"name": "tabled", "layout": "csv", "storage": storage,
+                                          "csv": {"classes": "classes.txt"}}])
+    result = invoke("datasets", "check", "tabled", "--registry", str(registry), "--json")
+    assert result.exit_code == 3, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["splits"] == {"train": {"images": 9, "classes": 3}, "val": {"images": 3, "classes": 3}}
+    assert out["bad_files"] == [{"path": rows[2]["path"], "reason": "not an image"}]
+    shown = json.loads(invoke("datasets", "show", "tabled", "--registry", str(registry), "--json")
+                       .stdout.strip().splitlines()[-1])
+    assert [c["synset"] for c in shown["classes"]] == ["moth", "zebra", "ant"]
 
 
 def test_missing_bucket_is_a_data_error(s3_registry, aws):

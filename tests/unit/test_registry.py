@@ -145,7 +145,7 @@ BAD_REGISTRIES = {
     "layout": (
         [entry("l", layout="coco")],
         r"datasets\[0\] \('l'\): layout: unknown layout 'coco'; known: auto, imagenet-loc, imagefolder, "
-        r"shards$"),
+        r"shards, csv$"),
     "uuid": (
         [entry("u", uuid="not-a-uuid")], r"\('u'\): uuid: "),
     "s3-path": (

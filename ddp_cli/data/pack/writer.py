@@ -66,6 +66,7 @@ from ddp_cli.data.fetch.storage import FileReader
 from ddp_cli.data.pack.destination import WORK, Destination
 from ddp_cli.data.pipeline.images import JPEG_MAGIC, BadImage, decode, open_image
 from ddp_cli.data.pipeline.loaders import fetch
+from ddp_cli.data.sources.csv_layout import CsvListing
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.packed import PackedStrings, Split
 from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
@@ -207,10 +208,10 @@ class Source:
 
 
 def pack_index(fs: fsspec.AbstractFileSystem, root: str, layout: str, splits: tuple[str, ...],
-               on_bad_image: str) -> IndexTable:
+               on_bad_image: str, csv: CsvListing | None = None) -> IndexTable:
     """The source's index for `splits`, one split at a time so that each problem the index found (a row
     of an unknown synset, left out of the split) carries its split: `pack` lists it there, or stops."""
-    tables = {name: build_index(fs, root, layout, splits=(name,), on_bad_image=on_bad_image)
+    tables = {name: build_index(fs, root, layout, splits=(name,), on_bad_image=on_bad_image, csv=csv)
               for name in splits}
     first = tables[splits[0]]
     return IndexTable(first.classes, first.descriptions, {name: t.splits[name] for name, t in tables.items()},

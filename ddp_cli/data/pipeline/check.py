@@ -27,6 +27,7 @@ from ddp_cli.data.fetch.shard_reader import ShardReader
 from ddp_cli.data.fetch.storage import FileReader
 from ddp_cli.data.pipeline.images import BadImage, decode
 from ddp_cli.data.pipeline.loaders import open_reader, read_row
+from ddp_cli.data.sources.csv_layout import CsvListing
 from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.data.sources.shards import read_index
@@ -46,10 +47,12 @@ def check_dataset(
     splits: tuple[str, ...] = SPLITS,
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    csv: CsvListing | None = None,
 ) -> dict[str, Any]:
-    """Scan `splits` of the data set at `root`; `progress(done, total)` is called as files are checked."""
+    """Scan `splits` of the data set at `root` (`csv`: layout csv's listing); `progress(done, total)` is
+    called as files are checked."""
     started = time.perf_counter()
-    index = build_index(fs, root, layout, splits=splits)
+    index = build_index(fs, root, layout, splits=splits, csv=csv)
     bad = list(index.problems)
     if layout == SHARDS:
         bad += check_shards(fs, root, splits)

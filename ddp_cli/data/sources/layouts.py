@@ -3,17 +3,20 @@
 A layout is one module of this folder and one entry of `LAYOUTS`: its name (the
 registry's `layout`) and a function from (filesystem, root, classes, splits,
 on_bad_image) to an `IndexTable`. Layouts whose metadata lists files return a
-`Listing` and share `table.from_listing`; `shards` reads its own index.
+`Listing` and share `table.from_listing`; `shards` reads its own index. `csv` is the
+one with options of its own: the registry's `[datasets.csv]` (`CsvListing`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import fsspec
 
 from ddp_cli.data.fetch.retry import with_retries
-from ddp_cli.data.sources import imagefolder, imagenet_loc
+from ddp_cli.data.sources import csv_layout, imagefolder, imagenet_loc
+from ddp_cli.data.sources.csv_layout import CSV, CsvListing
 from ddp_cli.data.sources.shards import shards_table
 from ddp_cli.data.sources.table import SPLITS, IndexTable, Listing, from_listing
 from ddp_cli.errors import ConfigError, DataError
@@ -32,6 +35,7 @@ LAYOUTS: dict[str, Reader] = {
     "imagenet-loc": listed(imagenet_loc.listing),
     "imagefolder": listed(imagefolder.listing),
     SHARDS: lambda fs, root, classes, splits, on_bad_image: shards_table(fs, root, classes, splits),
+    CSV: listed(csv_layout.listing),
 }
 KNOWN_LAYOUTS = tuple(LAYOUTS)
 
@@ -43,11 +47,14 @@ def build_index(
     classes: int | list[str] | None = None,
     splits: tuple[str, ...] = SPLITS,
     on_bad_image: str = "skip",
+    csv: CsvListing | None = None,
 ) -> IndexTable:
-    """The layout's (optionally class-subset) index of the data set at `root`."""
+    """The layout's (optionally class-subset) index of the data set at `root`; `csv`: the listing of
+    layout csv, if not the default one."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout {layout!r} is unknown; known layouts: {', '.join(KNOWN_LAYOUTS)}")
-    return LAYOUTS[layout](fs, root.rstrip("/"), classes, splits, on_bad_image)
+    reader = listed(partial(csv_layout.listing, spec=csv)) if layout == CSV else LAYOUTS[layout]
+    return reader(fs, root.rstrip("/"), classes, splits, on_bad_image)
 
 
 def infer_layout(fs: fsspec.AbstractFileSystem, root: str) -> str:

@@ -29,12 +29,23 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 @dataclass
 class Listing:
     """What a layout's reader finds: classes in file order, per split a frame of `path` and
-    `synset`, and the rows naming an unsafe path (`file: column 'value'`)."""
+    `synset`, the rows naming an unsafe path (`file: column 'value'`), and the rows it left out of
+    the frames as unusable (`Rejected`: an empty or unknown label, a path listed twice)."""
 
     synsets: list[str]
     descriptions: list[str]
     frames: dict[str, pd.DataFrame]
     unsafe: list[str] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A listed row no split holds: its path, why, and where it is (`labels.csv line 7`)."""
+
+    path: str
+    reason: str
+    where: str
 
 
 @dataclass
@@ -71,16 +82,21 @@ def from_listing(listing: Listing, root: str, classes: int | list[str] | None,
                  on_bad_image: str) -> IndexTable:
     """The (optionally class-subset) index of a layout's listing.
 
-    Under `on_bad_image = "error"` a row naming an unsafe path is a DataError here,
-    before any worker starts; under "skip" it stays for the loader to skip.
+    Under `on_bad_image = "error"` a row naming an unsafe path, or one the reader rejected, is a
+    DataError here, before any worker starts; under "skip" the first stays for the loader to skip,
+    the second is a problem (`datasets check` lists it).
     """
     import pandas as pd
 
     if listing.unsafe and on_bad_image == "error":
         raise DataError(f"{root}/{listing.unsafe[0]}: {UNSAFE_PATH}, never read ({len(listing.unsafe)} "
                         'such row(s)); fix the file, or set data.on_bad_image = "skip" to skip them')
+    if listing.rejected and on_bad_image == "error":
+        first = listing.rejected[0]
+        raise DataError(f"{root}/{first.where}: {first.reason} ({len(listing.rejected)} such row(s)); fix "
+                        'the listing, or set data.on_bad_image = "skip" to leave them out')
     synsets, descriptions = listing.synsets, listing.descriptions
-    problems: list[dict[str, str]] = []
+    problems = [{"path": row.path, "reason": f"{row.reason} ({row.where})"} for row in listing.rejected]
     keep = select_classes(synsets, descriptions, classes)
     relabel = {synsets[old]: new for new, old in enumerate(keep)}
     known = set(synsets)
