@@ -61,8 +61,9 @@ class DatasetEntry(BaseModel):
     name: str = Field(description="The name run configs use.")
     uuid: uuidlib.UUID | None = Field(None, description="A stable identity, as in DataSets.jl.")
     description: str = Field("", description="One line for `ddp datasets list`.")
-    layout: str = Field(AUTO, description="How files are arranged: imagenet-loc, imagefolder or shards "
-                        "(written by `ddp datasets pack`); auto (the default) looks at the root when the "
+    layout: str = Field(AUTO, description="How files are arranged: imagenet-loc, imagefolder, shards "
+                        "(written by `ddp datasets pack`) or parquet (Hugging Face datasets); auto (the "
+                        "default) looks at the root when the "
                         "data set is opened.")
     generator: Literal["sklearn-digits"] | None = Field(
         None, description="Build the root offline on first use from data a package ships."
