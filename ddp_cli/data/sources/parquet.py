@@ -135,8 +135,9 @@ def parquet_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[
     files = parquet_files(fs, root)
     for name in splits:
         if name not in files:
-            raise DataError(f"{root}: no Parquet files of the {name} split (named {name_pattern(name)}, "
-                            f"under the root or a data/ folder); found: {found_splits(files)}")
+            raise DataError(f"{root}: no Parquet files of the {name} split (named {name_pattern(name)} "
+                            "anywhere under the root, or in a folder so named); found: "
+                            f"{found_splits(files)}")
     label = LABEL
     wanted = [(name, file) for name in splits for file in files[name]]
     with ThreadPoolExecutor(min(READERS, len(wanted))) as pool:
