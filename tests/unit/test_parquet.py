@@ -305,3 +305,31 @@ def test_datasets_commands_and_pack_read_parquet(hub, tmp_path):
     assert sorted(source_rows) == list(range(24))
     assert shards.splits["train"].labels.tolist() == [labels["train"][r] for r in source_rows]
     assert torch.tensor(source_rows).diff().abs().sum() > 0  # shuffled, not copied in order
+
+
+def test_the_reader_refuses_a_file_name_that_could_leave_the_root(hub):
+    from ddp_cli.data.fetch.storage import UnsafePath
+
+    reader = ParquetReader(FS, str(hub[0] / "data"))
+    with pytest.raises(UnsafePath):
+        reader.read("../data/train-00000-of-00002.parquet#0", (0, 0))
+    assert reader.read("train-00000-of-00002.parquet#0", (0, 0))[:2] == b"\xff\xd8"
+
+
+def test_predict_dataset_reads_a_parquet_split_with_the_checkpoints_classes(hub, tmp_path):
+    from types import SimpleNamespace
+
+    from ddp_cli.commands import predict_inputs
+    from ddp_cli.config import RunConfig
+
+    registry = write_registry(tmp_path, [{"name": "hub", "layout": "parquet",
+                                          "storage": {"driver": "FileSystem", "path": str(hub[0])}}])
+    trained = SimpleNamespace(classes=["class 1", "class 2"])
+    cfg = RunConfig().resolved({"data.dataset": "hub"})  # what `predict --dataset hub` sets
+    entry, index = predict_inputs(cfg, trained, [], "hub", "val", str(registry))
+    val = index.splits["val"]
+    assert index.classes == ["class 1", "class 2"] and entry.layout == "parquet"
+    kept = [i for i, label in enumerate(hub[1]["validation"]) if label in (1, 2)]
+    assert [val.paths[i] for i in range(len(val))] == [
+        f"data/validation-0000{i // 4}-of-00002.parquet#{i % 4}" for i in kept]
+    assert val.labels.tolist() == [hub[1]["validation"][i] - 1 for i in kept]
