@@ -142,7 +142,8 @@ class ParquetReader:
         def read() -> Any:
             parquet, column = self._file(file)
             try:
-                return parquet.read_row_group(group, columns=[column]).column(column).combine_chunks()
+                table = parquet.read_row_group(group, columns=[column], use_threads=False)  # 3x faster: a
+                return table.column(column).combine_chunks()  # loader process has one core's worth
             except Exception:
                 self._open.pop(file, None)  # a failed read may leave the remote file unusable: reopen
                 raise

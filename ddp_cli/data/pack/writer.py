@@ -7,7 +7,9 @@ source path), so `webdataset.WebDataset` reads the shards as they are. Keys are
 dot). Train rows go into the shards in a fixed shuffled order (seed `ORDER_SEED`,
 recorded in the index), so every shard mixes the classes and reading a few
 shards at a time (the training order, `sampler.py`) still gives well-mixed
-batches; val keeps its source order.
+batches; val keeps its source order. A Parquet source, read by row group, is
+shuffled `PACK_WINDOW` row groups at a time (`pack_order`): a global shuffle
+would read a whole row group for every row.
 
 What becomes what: a YCbCr JPEG (baseline or progressive) that needs no
 shrinking is copied byte for byte, after a decode at 1/8 scale that reads its
