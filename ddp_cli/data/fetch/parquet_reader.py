@@ -111,12 +111,14 @@ class ParquetReader:
             raise UnsafePath(UNSAFE_PATH)
         group, row = (int(v) for v in member)
         with self._locked():
-            image = self._group(file, group)[row].as_py() or {}
-        if image.get("bytes") is not None:
-            return image["bytes"]
-        if not image.get("path"):
+            image = self._group(file, group)[row]
+        data = image["bytes"].as_py() if "bytes" in image.type.names else None  # the path only if needed
+        if data is not None:
+            return data
+        name = image["path"].as_py() if "path" in image.type.names else None
+        if not name:
             raise FileNotFoundError(f"{path}: no image (bytes and path both empty)")
-        return self.files.read(image["path"])
+        return self.files.read(name)
 
     def _locked(self) -> threading.Lock:
         if self._pid != os.getpid():
@@ -143,7 +145,8 @@ class ParquetReader:
             parquet, column = self._file(file)
             try:
                 table = parquet.read_row_group(group, columns=[column], use_threads=False)  # 3x faster: a
-                return table.column(column).combine_chunks()  # loader process has one core's worth
+                chunks = table.column(column)  # loader process has one core's worth
+                return chunks.chunk(0) if chunks.num_chunks == 1 else chunks.combine_chunks()  # no copy
             except Exception:
                 self._open.pop(file, None)  # a failed read may leave the remote file unusable: reopen
                 raise
