@@ -333,3 +333,19 @@ def test_predict_dataset_reads_a_parquet_split_with_the_checkpoints_classes(hub,
     assert [val.paths[i] for i in range(len(val))] == [
         f"data/validation-0000{i // 4}-of-00002.parquet#{i % 4}" for i in kept]
     assert val.labels.tolist() == [hub[1]["validation"][i] - 1 for i in kept]
+
+
+def test_bench_data_times_parquet_against_files_in_the_same_run(hub, tmp_path):
+    from synthetic import make_imagenet_loc
+
+    make_imagenet_loc(tmp_path / "files", classes=3, train_per_class=8, size=16)
+    registry = write_registry(tmp_path, [
+        {"name": "files", "layout": "imagenet-loc", "storage": {"driver": "FileSystem", "path": "files"}},
+        {"name": "hub", "layout": "parquet", "storage": {"driver": "FileSystem", "path": str(hub[0])}}])
+    out = last_json(ddp_in_process("bench", "data", "files", "hub", "--registry", str(registry), "--workers",
+                                   "0", "--seconds", "1", "--rounds", "1", "--batch-size", "4",
+                                   "--image-size", "16", "--json"))
+    files, parquet = out["rows"]
+    assert (files["storage"], parquet["storage"]) == ("local files", "local parquet")
+    assert parquet["images"] > 0 and parquet["ratio"] == pytest.approx(
+        parquet["images_per_second"] / files["images_per_second"])
