@@ -76,7 +76,7 @@ class DataConfig(Section):
     shuffle_shards: PositiveInt = Field(
         8, description='layout = "shards": training order = the shards in a fresh order each epoch, '
         "read this many at a time with their images shuffled together (the shuffle window; docs: "
-        '"Data sets", "Packed shards").',
+        '"Data sets", "Packed shards"); layout = "parquet": the same, of row groups.',
     )
     io_concurrency: PositiveInt = Field(
         16, description="Remote (S3) roots: requests in flight at once per loader process (a batch's "

@@ -63,8 +63,9 @@ class DatasetEntry(BaseModel):
     uuid: uuidlib.UUID | None = Field(None, description="A stable identity, as in DataSets.jl.")
     description: str = Field("", description="One line for `ddp datasets list`.")
     layout: str = Field(AUTO, description="How files are arranged: imagenet-loc, imagefolder, shards "
-                        "(written by `ddp datasets pack`) or csv (a table of paths and labels); auto (the "
-                        "default) looks at the root when the data set is opened.")
+                        "(written by `ddp datasets pack`), csv (a table of paths and labels) or parquet "
+                        "(Hugging Face datasets); auto (the default) looks at the root when the data set "
+                        "is opened.")
     generator: Literal["sklearn-digits"] | None = Field(
         None, description="Build the root offline on first use from data a package ships."
     )

@@ -128,6 +128,43 @@ def encoded(img: Image.Image, fmt: str = "JPEG") -> bytes:
     return buffer.getvalue()
 
 
+def readme_with_classes(names: list[str], label: str = "label") -> str:
+    """A dataset card as the hub writes it: YAML front matter whose features name the classes."""
+    entries = "".join(f"          '{i}': {name}\n" for i, name in enumerate(names))
+    return (f"---\nlicense: other\ndataset_info:\n  features:\n  - name: image\n    dtype: image\n"
+            f"  - name: {label}\n    dtype:\n      class_label:\n        names:\n{entries}"
+            "  splits:\n  - name: train\n---\n# A data set\n")
+
+
+def write_hf_parquet(root: Path, rows: dict[str, int], classes: int = 3, files: int = 2,
+                     row_group: int = 4, size: int = 16, folder: str = "data",
+                     readme: bool = True) -> dict[str, list[int]]:
+    """Image Parquet as the hub ships it (`datasets`' Image: a struct of bytes and path; an int `label`):
+    per split (`train`, `validation`, `test`, ...) `files` files `<folder>/<split>-0000i-of-0000n.parquet`
+    of `row_group`-row groups; class names `class <i>` in README.md unless `readme` is false. Returns
+    each split's labels in row order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    labels: dict[str, list[int]] = {}
+    for s, (split, count) in enumerate(rows.items()):
+        labels[split] = [(i * 7 + s) % classes for i in range(count)]
+        per_file = -(-count // files)
+        for f in range(files):
+            chunk = range(f * per_file, min(count, (f + 1) * per_file))
+            images = [{"bytes": encoded(image(10_000 * s + i, labels[split][i], size)),
+                       "path": f"{split}_{i}.jpg"} for i in chunk]
+            table = pa.table({"image": pa.array(images, image_type),
+                              "label": pa.array([labels[split][i] for i in chunk], pa.int64())})
+            target = root / folder / f"{split}-{f:05d}-of-{files:05d}.parquet"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, target, row_group_size=row_group)
+    if readme:
+        (root / "README.md").write_text(readme_with_classes([f"class {c}" for c in range(classes)]))
+    return labels
+
+
 def plant(root: Path, path: str, kind: str, label: int = 0, seed: int = 7) -> None:
     """Overwrite `root/path` with one of real ImageNet's oddities or faults.
 

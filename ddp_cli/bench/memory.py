@@ -9,7 +9,12 @@ spawned rank process:
 
 - "lists": the first wave's, the dataset holding paths and labels as Python
   lists of str and int (the baseline);
-- "packed": this code's, `Split` (flat buffers, memory-mapped).
+- "packed": this code's, `Split` (flat buffers, memory-mapped);
+- "parquet": the same number of rows as Hugging Face-style Parquet (`layout =
+  "parquet"`: 100-row groups as `datasets` writes image data sets, every image
+  the same 8x8 JPEG), indexed by the real `build_index` and walked in the
+  training order (row groups a window at a time), each image read from its
+  row group by the real reader: the index and the row-group cache together.
 
 Figures are USS (pages only that process maps, psutil): of the rank before and
 after it loads the index and builds the dataset, and of each loader process
@@ -36,7 +41,7 @@ import torch.multiprocessing as mp
 from PIL import Image
 
 from ddp_cli.bench.data import machine
-from ddp_cli.bench.metadata import TRAIN_IMAGES, write_metadata
+from ddp_cli.bench.metadata import CLASSES, TRAIN_IMAGES, write_metadata
 from ddp_cli.config import DataConfig
 from ddp_cli.data.fetch.storage import FileReader
 from ddp_cli.data.pipeline.loaders import ImageDataset, make_loader
@@ -59,7 +64,9 @@ class ListedImages(ImageDataset):
         self.paths, self.labels = list(self.paths), self.labels.tolist()
 
 
-FORMS: dict[str, type[ImageDataset]] = {"lists": ListedImages, "packed": ImageDataset}
+PARQUET_FORM, PARQUET_ROWS_PER_FILE, PARQUET_GROUP = "parquet", 10_000, 100
+FORMS: dict[str, type[ImageDataset]] = {"lists": ListedImages, "packed": ImageDataset,
+                                        PARQUET_FORM: ImageDataset}
 
 
 class OneFile(FileReader):
@@ -87,15 +94,18 @@ def walk(folder: Path, form: str, workers: int) -> dict[str, Any]:
     """In a fresh rank process: load the index, build the dataset, one pass; the USS figures."""
     torch.set_num_threads(1)
     mp.set_start_method(None, force=True)  # loader processes start as in a rank torchrun starts (not spawned)
-    fs, root = fsspec.filesystem("file"), str(folder)
+    fs, root = fsspec.filesystem("file"), str(folder / form if form == PARQUET_FORM else folder)
     before = uss_mb()
-    index = IndexTable.load(folder / "index")
-    dataset = FORMS[form](fs, root, index.splits["train"], ValTransform(SIDE, SIDE), "error", SIDE)
+    index = IndexTable.load(folder / f"index-{form}" if form == PARQUET_FORM else folder / "index")
+    split = index.splits["train"]
+    dataset = FORMS[form](fs, root, split, ValTransform(SIDE, SIDE), "error", SIDE)
     del index  # what stays is what the dataset holds
     gc.collect()
     rank_index = max(0.0, uss_mb() - before)
-    dataset.reader = OneFile(fs, root, small_jpeg())
-    sampler = ShardSampler(len(dataset), 0, 1, shuffle=True)
+    if form != PARQUET_FORM:  # Parquet's images are read, from their row groups
+        dataset.reader = OneFile(fs, root, small_jpeg())
+    sampler = ShardSampler(len(dataset), 0, 1, shuffle=True, shards=split.starts,
+                           window=DataConfig().shuffle_shards)
     loader = make_loader(dataset, sampler, BATCH, workers, DataConfig().prefetch_factor, pin_memory=False,
                          drop_last=False, seed=0)
     sampler.set_epoch(0, skip=max(0, len(dataset) - workers * BATCH))
@@ -135,8 +145,11 @@ def bench_memory(rows: int = TRAIN_IMAGES, workers: int = 4) -> dict[str, Any]:
         write_metadata(folder, rows)
         build_index(fsspec.filesystem("file"), tmp, "imagenet-loc").save(folder / "index")
         files = sum(p.stat().st_size for p in (folder / "index").glob("train-*.npy")) / MB
+        write_parquet(folder / PARQUET_FORM, rows)
+        build_index(fsspec.filesystem("file"), str(folder / PARQUET_FORM), PARQUET_FORM).save(
+            folder / f"index-{PARQUET_FORM}")
         measured = {form: in_fresh_rank(folder, form, workers) for form in FORMS}
-    packed, lists = measured["packed"], measured["lists"]
+    packed, lists, parquet = measured["packed"], measured["lists"], measured[PARQUET_FORM]
     return {
         "bench": "memory",
         "rows": rows,
@@ -146,6 +159,27 @@ def bench_memory(rows: int = TRAIN_IMAGES, workers: int = 4) -> dict[str, Any]:
         "worker_end_mb": packed["worker_end_mb"],
         "worker_end_vs_baseline": packed["worker_end_mb"] / lists["worker_end_mb"],
         "index_files_mb": files,
+        "parquet_rank_index_mb": parquet["rank_index_mb"],
+        "parquet_worker_end_vs_start": parquet["end_vs_start"],
         "machine": machine(),
         "forms": list(measured.values()),
     }
+
+
+def write_parquet(root: Path, rows: int) -> None:
+    """`rows` train rows (and a few val rows) as Hugging Face-style Parquet: files of 10,000 rows in
+    100-row groups, 1,000 classes, every image the same 8x8 JPEG (dictionary-encoded: small files)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    jpeg = small_jpeg()
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", rows), ("validation", PARQUET_GROUP)):
+        files = -(-count // PARQUET_ROWS_PER_FILE)
+        for f in range(files):
+            ids = range(f * PARQUET_ROWS_PER_FILE, min(count, (f + 1) * PARQUET_ROWS_PER_FILE))
+            table = pa.table({"image": pa.array([{"bytes": jpeg, "path": f"{i}.JPEG"} for i in ids], image),
+                              "label": pa.array([i % CLASSES for i in ids], pa.int64())})
+            pq.write_table(table, root / "data" / f"{split}-{f:05d}-of-{files:05d}.parquet",
+                           row_group_size=PARQUET_GROUP)

@@ -1,7 +1,8 @@
 """`ddp bench data NAME NAME... [--latency-ms MS]`: the training input pipeline over several storages.
 
 Each registry entry is one storage of (usually) the same images: local files,
-local shards, S3 files, S3 shards. An S3 entry with files gives two rows: one
+local shards, local Parquet (`layout = "parquet"`, read a window of row groups
+at a time like shards), S3 files, S3 shards, S3 Parquet. An S3 entry with files gives two rows: one
 GET per image (`io_concurrency` 1, serial) and a batch's GETs together
 (`io_concurrency` as configured). Every row runs ddp's own training path
 (EpochItems, the training sampler: for shards its shard order and window,
@@ -50,7 +51,7 @@ from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset
 from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.data.pipeline.transforms import to_model_input
 from ddp_cli.data.sources.layouts import build_index
-from ddp_cli.data.sources.packed import Split
+from ddp_cli.data.sources.packed import PARQUET, Split
 from ddp_cli.errors import ConfigError
 from ddp_cli.registry import DatasetEntry, load_registry
 
@@ -111,7 +112,8 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
             if len(split) < batch_size:
                 raise ConfigError(f"bench data: {name!r} has {len(split)} train images, fewer than "
                                   f"--batch-size {batch_size}")
-            where = ("s3" if remote else "local") + (" shards" if split.sharded else " files")
+            kind = (" parquet" if split.container == PARQUET else " shards") if split.sharded else " files"
+            where = ("s3" if remote else "local") + kind
             if remote and not split.sharded:
                 rows += [Row(name, f"{where} serial", entry, split, 1),
                          Row(name, f"{where} batched", entry, split, DataConfig().io_concurrency)]

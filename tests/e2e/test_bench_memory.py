@@ -20,6 +20,8 @@ def test_bench_memory_json_has_the_contract_keys_and_both_forms():
     forms = {row["index"]: row for row in out["forms"]}
     assert forms["packed"]["paths_held_as"] == "PackedStrings"  # no Python list of str in the dataset
     assert forms["lists"]["paths_held_as"] == "list"  # the baseline measured in the same run
+    assert forms["parquet"]["paths_held_as"] == "PackedStrings"  # Parquet's index: arrays too
+    assert out["parquet_worker_end_vs_start"] == forms["parquet"]["end_vs_start"]
     for row in forms.values():
         assert row["images"] == 20000  # one full pass
         assert row["worker_start_mb"] > 0 and row["worker_end_mb"] > 0

@@ -17,7 +17,7 @@ import pytest
 import s3fs
 import torch
 from conftest import REPO, last_json, run_ddp
-from synthetic import make_csv_listed, make_imagenet_loc, plant, write_registry
+from synthetic import make_csv_listed, make_imagenet_loc, plant, write_hf_parquet, write_registry
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
@@ -538,3 +538,41 @@ def test_bench_data_rates_each_storage_and_reads_s3_through_the_latency_proxy(s3
         assert len(row["round_ratios"]) == 2 and row["median_ratio"] == statistics.median(row["round_ratios"])
     assert out["rows"][0]["round_ratios"] == [1.0, 1.0]  # each round's rates over that round's first row
     assert out["proxied_requests"] >= out["rows"][2]["images"]  # one GET per image at least, through it
+
+
+PARQUET_CONFIG = CONFIG.replace('dataset = "s3data"', 'dataset = "hub"').replace(
+    "image_size = 32\nval_resize = 36", "image_size = 16\nval_resize = 16")
+
+
+@pytest.mark.slow
+def test_parquet_on_s3_resumes_mid_epoch_exactly_and_validates_exactly_at_1_and_2_ranks(s3_registry,
+                                                                                       s3_endpoint, tmp_path):
+    """Hugging Face-style Parquet in the bucket (two files per split, 4-row groups, a test split too): a run
+    resumed from its step-2 checkpoint ends bit-identical, reading row groups by range from forked loader
+    processes; `validate` at 1 rank counts exactly what training's validation counted at 2."""
+    write_hf_parquet(tmp_path / "hub", {"train": 48, "validation": 7, "test": 3})
+    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint},
+                           skip_instance_cache=True)
+    fs.put(f"{tmp_path / 'hub'}/", f"{BUCKET}/hub/", recursive=True)
+    registry = write_registry(tmp_path, [{"name": "hub", "layout": "parquet", "storage": {
+        "driver": "S3", "path": f"s3://{BUCKET}/hub", "endpoint_url": s3_endpoint}}])
+    config = tmp_path / "parquet.toml"
+    config.write_text(PARQUET_CONFIG)
+    runs = {}
+    for name, extra in (("reference", []), ("resumed", ["--resume", str(tmp_path / "reference/checkpoints/"
+                                                                         "step-000000002.pt")])):
+        runs[name] = last_json(run_ddp(
+            "train", str(config), "--registry", str(registry), "--run-dir", str(tmp_path / name), "--json",
+            "--set", "checkpoint.every_steps=2", "--set", "deterministic=true", "--set", "data.workers=1",
+            "--set", "data.shuffle_shards=2", *extra, cwd=REPO, env=ENV, timeout=180))
+    reference, resumed = runs["reference"], runs["resumed"]
+    assert reference["world_size"] == 2 and reference["final"]["images"] == 7
+    assert resumed["final"] == reference["final"]
+    a, b = (torch.load(tmp_path / name / "checkpoints/last.pt", weights_only=True)["model"] for name in runs)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    last = str(tmp_path / "reference/checkpoints/last.pt")
+    one = last_json(run_ddp("validate", "--checkpoint", last, "--registry", str(registry), "--nproc-per-node",
+                            "1", "--json", cwd=REPO, env=ENV, timeout=120))
+    assert one["world_size"] == 1 and one["images"] == 7
+    assert one["top1"] == reference["final"]["top1"]
+    assert one["loss"] == pytest.approx(reference["final"]["loss"], rel=1e-6)

@@ -227,7 +227,7 @@ def test_index_table_save_load_round_trip(tmp_path):
 def test_unknown_layout_is_a_config_error_naming_it_and_the_known_ones(tmp_path):
     make_imagefolder(tmp_path)
     with pytest.raises(ConfigError, match=r"layout 'coco' is unknown; known layouts: imagenet-loc, "
-                                          r"imagefolder, shards, csv$") as info:
+                                          r"imagefolder, shards, csv, parquet$") as info:
         build_index(FS, str(tmp_path), "coco")
     assert info.value.exit_code == 2
 

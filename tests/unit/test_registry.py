@@ -145,7 +145,7 @@ BAD_REGISTRIES = {
     "layout": (
         [entry("l", layout="coco")],
         r"datasets\[0\] \('l'\): layout: unknown layout 'coco'; known: auto, imagenet-loc, imagefolder, "
-        r"shards, csv$"),
+        r"shards, csv, parquet$"),
     "uuid": (
         [entry("u", uuid="not-a-uuid")], r"\('u'\): uuid: "),
     "s3-path": (
@@ -212,8 +212,8 @@ def test_auto_layout_of_an_unrecognised_root_is_a_data_error_naming_it(isolated)
     (isolated / "root" / "images").mkdir(parents=True)
     dataset = load_registry(write_julia_registry(isolated, {"d": isolated / "root"})).get("d")
     with pytest.raises(DataError, match=r"root: cannot tell its layout: neither LOC_synset_mapping\.txt "
-                                        r"\(imagenet-loc\), train/ and val/ folders \(imagefolder\) nor "
-                                        r"index\.json \(shards\)") as info:
+                                        r"\(imagenet-loc\), train/ and val/ folders \(imagefolder\), "
+                                        r"index\.json \(shards\) nor \*\.parquet files \(parquet") as info:
         dataset.open()
     assert str(isolated / "root") in str(info.value) and info.value.exit_code == 3
 

@@ -7,7 +7,9 @@ source path), so `webdataset.WebDataset` reads the shards as they are. Keys are
 dot). Train rows go into the shards in a fixed shuffled order (seed `ORDER_SEED`,
 recorded in the index), so every shard mixes the classes and reading a few
 shards at a time (the training order, `sampler.py`) still gives well-mixed
-batches; val keeps its source order.
+batches; val keeps its source order. A Parquet source, read by row group, is
+shuffled `PACK_WINDOW` row groups at a time (`pack_order`): a global shuffle
+would read a whole row group for every row.
 
 What becomes what: a YCbCr JPEG (baseline or progressive) that needs no
 shrinking is copied byte for byte, after a decode at 1/8 scale that reads its
@@ -62,19 +64,20 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from ddp_cli.data.fetch.storage import FileReader
 from ddp_cli.data.pack.destination import WORK, Destination
 from ddp_cli.data.pipeline.images import JPEG_MAGIC, BadImage, decode, open_image
-from ddp_cli.data.pipeline.loaders import fetch
+from ddp_cli.data.pipeline.loaders import open_reader, read_row
+from ddp_cli.data.pipeline.sampler import shard_order
 from ddp_cli.data.sources.csv_layout import CsvListing
 from ddp_cli.data.sources.layouts import build_index
-from ddp_cli.data.sources.packed import PackedStrings, Split
+from ddp_cli.data.sources.packed import PARQUET, PackedStrings, Split
 from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.io import HashingFile, writing
 
 ORDER_SEED = 0  # the train rows' order in the shards (recorded in the index)
+PACK_WINDOW = 32  # row groups of a Parquet source shuffled together (and kept in memory) when packing
 CHUNK = 256  # images read and encoded at once
 PROGRESS = f"{WORK}/progress.json"
 
@@ -260,9 +263,15 @@ def rows_digest(split: Split) -> str:
     return f"{len(split)} rows, sha256 {digest.hexdigest()[:16]}"
 
 
-def pack_order(n: int, split: str) -> np.ndarray:
-    """The rows of a split in the order they go into the shards: train shuffled once, val as it is."""
-    return np.random.default_rng(ORDER_SEED).permutation(n) if split == "train" else np.arange(n)
+def pack_order(split: Split, name: str) -> np.ndarray:
+    """The rows of a split in the order they go into the shards: train shuffled once, val as it is. A
+    source read by row group (Parquet) is shuffled `PACK_WINDOW` row groups at a time (the training
+    order's windows, `sampler.shard_order`), so that each row group is read once, not once per row."""
+    if name != "train":
+        return np.arange(len(split))
+    if split.container == PARQUET and split.sharded:
+        return shard_order(split.starts, ORDER_SEED, 0, PACK_WINDOW).numpy()
+    return np.random.default_rng(ORDER_SEED).permutation(len(split))
 
 
 @dataclass
@@ -278,13 +287,15 @@ class Packer:
 
     def __init__(self, source: Source, index: IndexTable, dest: Destination, opts: PackOptions) -> None:
         self.source, self.index, self.dest, self.opts = source, index, dest, opts
-        self.reader = FileReader(source.fs, source.root)
+        self.readers = {name: open_reader(source.fs, source.root, index.splits[name], window=PACK_WINDOW)
+                        for name in opts.splits}
+        self.root = source.root.rstrip("/")
         self.problems = {name: [{"path": p["path"], "reason": p["reason"]} for p in index.problems
                                 if p.get("split") == name] for name in opts.splits}
         if opts.on_bad_image == "error" and any(self.problems.values()):
             bad = next(p for found in self.problems.values() for p in found)
             count = sum(map(len, self.problems.values()))
-            raise DataError(f"{self.reader.root}/{bad['path']}: {bad['reason']} ({count} such row(s) in the "
+            raise DataError(f"{self.root}/{bad['path']}: {bad['reason']} ({count} such row(s) in the "
                             f"index of {source.name}); fix its metadata, or pack with --on-bad-image skip to "
                             "leave them out")
         # what decides the shards' bytes (the source's rows too); on_bad_image does not (see `_resume`)
@@ -330,9 +341,9 @@ class Packer:
         body = {"options": self.options, "splits": {name: asdict(s) for name, s in self.state.items()}}
         self.dest.write(PROGRESS, json.dumps(body).encode())
 
-    def encode_row(self, split: Split, row: int) -> Encoded:
+    def encode_row(self, name: str, split: Split, row: int) -> Encoded:
         try:
-            data = fetch(self.reader, split.paths[row]).data
+            data = read_row(self.readers[name], split, row).data
             jpeg, reencoded = encode(data, self.opts.max_side, self.opts.quality)
             return Encoded(row, jpeg, reencoded)
         except BadImage as e:
@@ -341,19 +352,20 @@ class Packer:
     def split(self, name: str, pool: ThreadPoolExecutor) -> Iterator[int]:
         """Write the rest of split `name`; yields how many rows each encoded chunk finished."""
         split, progress = self.index.splits[name], self.state[name]
-        order = pack_order(len(split), name)
+        order = pack_order(split, name)
         limit = self.opts.shard_mib * 2**20
         writer: ShardWriter | None = None
         skipped: list[dict[str, str]] = []  # bad images since the last shard closed
         try:
             for start in range(progress.next_row, len(order), CHUNK):
                 chunk = order[start:start + CHUNK].tolist()
-                self.reader.prefetch([split.paths[r] for r in chunk])  # remote: concurrent GETs
-                for position, item in enumerate(pool.map(lambda r: self.encode_row(split, r), chunk), start):
+                self.readers[name].prefetch([split.paths[r] for r in chunk])  # remote files: concurrent GETs
+                for position, item in enumerate(pool.map(lambda r: self.encode_row(name, split, r), chunk),
+                                                start):
                     path = split.paths[item.row]
                     if item.bad:
                         if self.opts.on_bad_image == "error":
-                            raise DataError(f"bad image {self.reader.root}/{path}: {item.bad} (pack with "
+                            raise DataError(f"bad image {self.root}/{path}: {item.bad} (pack with "
                                             "--on-bad-image skip to leave it out)")
                         skipped.append({"path": path, "reason": item.bad})
                         continue

@@ -3,7 +3,8 @@
 Reasons: "missing file" (named in the listing or CSV, absent from the root),
 "unreadable (...)", "not an image", "truncated", "corrupt (...)", "unknown
 synset" (a CSV row whose class is not in the synset mapping), and "unsafe path
-(...)" (a listed name that is absolute or climbs out of its folder: never read). Files
+(...)" (a listed name that is absolute or climbs out of its folder: never read), and for
+Parquet "no label" / "label N is not a class" (a row left out of its split). Files
 are read through the same reader and decoded by the same decoder as in
 training, so what check passes, training reads; JPEGs are decoded at 1/8 scale,
 which still runs the whole entropy-coded stream (where truncation and
@@ -23,10 +24,9 @@ from typing import Any
 
 import fsspec
 
-from ddp_cli.data.fetch.shard_reader import ShardReader
-from ddp_cli.data.fetch.storage import FileReader
+from ddp_cli.data.fetch.parquet_reader import ParquetReader
 from ddp_cli.data.pipeline.images import BadImage, decode
-from ddp_cli.data.pipeline.loaders import open_reader, read_row
+from ddp_cli.data.pipeline.loaders import Reader, open_reader, read_row
 from ddp_cli.data.sources.csv_layout import CsvListing
 from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.packed import Split
@@ -58,11 +58,14 @@ def check_dataset(
         bad += check_shards(fs, root, splits)
     rows = [(split, row) for split in splits for row in range(len(index.splits[split]))]
     mine = threading.local()  # a reader per thread: a shard reader's open files are its own
+    shared = {name: reader for name in splits  # but one for Parquet: each row group is read once
+              if isinstance(reader := open_reader(fs, root, index.splits[name]), ParquetReader)}
 
     def check(item: tuple[str, int]) -> str | None:
         split = index.splits[item[0]]
         if not hasattr(mine, "readers"):
-            mine.readers = {name: open_reader(fs, root, index.splits[name]) for name in splits}
+            mine.readers = {name: shared.get(name) or open_reader(fs, root, index.splits[name])
+                            for name in splits}
         return check_file(mine.readers[item[0]], split, item[1])
 
     with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="check") as pool:
@@ -81,7 +84,7 @@ def check_dataset(
     }
 
 
-def check_file(reader: FileReader | ShardReader, split: Split, row: int) -> str | None:
+def check_file(reader: Reader, split: Split, row: int) -> str | None:
     """Why row `row` of `split` cannot be trained on, or None if it can."""
     try:
         decode(read_row(reader, split, row), 1, 1)

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ddp_cli.config import AugmentConfig, DataConfig
+from ddp_cli.data.fetch.parquet_reader import ParquetReader
 from ddp_cli.data.fetch.retry import IoPolicy, count_retries
 from ddp_cli.data.fetch.shard_reader import ShardReader
 from ddp_cli.data.fetch.storage import FileReader, UnsafePath
@@ -29,7 +30,7 @@ from ddp_cli.data.pipeline.images import BadImage, EncodedImage, open_image
 from ddp_cli.data.pipeline.sampler import ShardSampler, shard_sequence
 from ddp_cli.data.pipeline.seeds import derived_seed
 from ddp_cli.data.pipeline.transforms import ValTransform
-from ddp_cli.data.sources.packed import Split
+from ddp_cli.data.sources.packed import PARQUET, Split
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import DataError
 
@@ -38,9 +39,12 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 LEAD = 4  # remote shards downloaded ahead at least: a window of 1-3 shards is read too soon after its start
 
 
-def fetch(reader: FileReader | ShardReader, path: str, member: np.ndarray | None = None) -> EncodedImage:
-    """Read a file (or, `member` = (offset, size), an image in a shard) and its image header; `BadImage`
-    if it is missing, unreadable or unsafe."""
+Reader = FileReader | ShardReader | ParquetReader
+
+
+def fetch(reader: Reader, path: str, member: np.ndarray | None = None) -> EncodedImage:
+    """Read a file (or, `member` = (offset, size), an image in a shard; (row group, row), one in a Parquet
+    file) and its image header; `BadImage` if it is missing, unreadable or unsafe."""
     try:
         return open_image(reader.read(path) if member is None else reader.read(path, member))
     except UnsafePath as e:
@@ -52,14 +56,17 @@ def fetch(reader: FileReader | ShardReader, path: str, member: np.ndarray | None
 
 
 def open_reader(fs: fsspec.AbstractFileSystem, root: str, split: Split, cache_dir: str | None = None,
-                shard_cache: int = 32, policy: IoPolicy = IoPolicy()) -> FileReader | ShardReader:
-    """The reader of `split`'s rows: files under the root, or images inside packed shards."""
+                shard_cache: int = 32, policy: IoPolicy = IoPolicy(), window: int = 8) -> Reader:
+    """The reader of `split`'s rows: files under the root, images inside packed shards, or rows of Parquet
+    files (which keeps the `window` row groups being read and two more: the one a batch straddles into)."""
+    if split.container == PARQUET and split.sharded:
+        return ParquetReader(fs, root, window + 2, policy)
     if split.sharded:
         return ShardReader(fs, root, cache_dir, shard_cache, policy)
     return FileReader(fs, root, cache_dir, policy)
 
 
-def read_row(reader: FileReader | ShardReader, split: Split, row: int) -> EncodedImage:
+def read_row(reader: Reader, split: Split, row: int) -> EncodedImage:
     """`fetch` of the split's row `row`, wherever its bytes lie."""
     return fetch(reader, split.paths[row], None if split.members is None else split.members[row])
 
@@ -90,7 +97,7 @@ class ImageDataset(Dataset):
         policy: IoPolicy = IoPolicy(),
         window: int = 8,
     ) -> None:
-        self.reader = open_reader(fs, root, split, cache_dir, shard_cache, policy)
+        self.reader = open_reader(fs, root, split, cache_dir, shard_cache, policy, window)
         self.window = window  # shards read at a time (data.shuffle_shards), for `read_ahead`
         self.transform = transform
         self.split, self.paths, self.labels = split, split.paths, split.labels
@@ -133,7 +140,7 @@ class ImageDataset(Dataset):
         shard order in training, on into the next epoch's, or of the file order in validation (`epoch`
         None). The cache (`shard_cache`) holds this window and that many more."""
         self.reader.prefetch([self.paths[i] for i in indices])
-        if not self.split.sharded:
+        if not isinstance(self.reader, ShardReader):  # files are read together; row groups on demand
             return
         starts, count = self.split.starts, len(self.split.starts) - 1
         shards = set((np.searchsorted(starts, indices, side="right") - 1).tolist())

@@ -17,6 +17,7 @@ import fsspec
 from ddp_cli.data.fetch.retry import with_retries
 from ddp_cli.data.sources import csv_layout, imagefolder, imagenet_loc
 from ddp_cli.data.sources.csv_layout import CSV, CsvListing
+from ddp_cli.data.sources.parquet import PARQUET, parquet_table
 from ddp_cli.data.sources.shards import shards_table
 from ddp_cli.data.sources.table import SPLITS, IndexTable, Listing, from_listing
 from ddp_cli.errors import ConfigError, DataError
@@ -36,6 +37,7 @@ LAYOUTS: dict[str, Reader] = {
     "imagefolder": listed(imagefolder.listing),
     SHARDS: lambda fs, root, classes, splits, on_bad_image: shards_table(fs, root, classes, splits),
     CSV: listed(csv_layout.listing),
+    PARQUET: parquet_table,  # Hugging Face `datasets` Parquet (parquet.py)
 }
 KNOWN_LAYOUTS = tuple(LAYOUTS)
 
@@ -70,6 +72,9 @@ def infer_layout(fs: fsspec.AbstractFileSystem, root: str) -> str:
         return "imagenet-loc"
     if has("train", fs.isdir) and has("val", fs.isdir):
         return "imagefolder"
+    if has("*.parquet", fs.glob) or has("data/*.parquet", fs.glob):
+        return PARQUET
     raise DataError(f"{root}: cannot tell its layout: neither LOC_synset_mapping.txt (imagenet-loc), "
-                    "train/ and val/ folders (imagefolder) nor index.json (shards) are there; fix "
-                    "storage.path or set layout in the registry entry")
+                    "train/ and val/ folders (imagefolder), index.json (shards) nor *.parquet files "
+                    "(parquet, also under data/) are there; fix storage.path or set layout in the registry "
+                    "entry")

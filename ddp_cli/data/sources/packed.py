@@ -20,6 +20,7 @@ import numpy as np
 from ddp_cli.io import atomic_write
 
 ENCODING, ERRORS = "utf-8", "surrogatepass"  # any str round-trips, lone surrogates included
+TAR, PARQUET = "tar", "parquet"  # what a sharded split's members point into
 
 
 class PackedStrings(Sequence[str]):
@@ -61,20 +62,24 @@ class Split:
     Packed shards (`layout = "shards"`) add where each image lies: `paths[i]` is
     `<shard>/<member>`, `members[i]` its (byte offset, size) inside the shard, and
     the rows of shard j are `starts[j]:starts[j + 1]` (rows are grouped by shard).
+    Parquet (`container` "parquet", `layout = "parquet"`): `paths[i]` is `<file>#<row in the file>`,
+    `members[i]` its (row group, row in the group), and the "shards" of `starts` are row groups.
     """
 
     paths: PackedStrings
     labels: np.ndarray
     members: np.ndarray | None = None  # (n, 2) int64: offset and size of the image in its shard
     starts: np.ndarray | None = None  # (shards + 1,) int64: the first row of each shard, then n
+    container: str = TAR  # what `members` point into: tar shards or Parquet row groups
 
     @classmethod
     def of(cls, paths: Iterable[str], labels: Sequence[int] | np.ndarray,
-           members: np.ndarray | None = None, starts: np.ndarray | None = None) -> Split:
+           members: np.ndarray | None = None, starts: np.ndarray | None = None,
+           container: str = TAR) -> Split:
         labels = np.asarray(labels)
         return cls(PackedStrings.pack(paths), labels.astype(smallest_int(labels)),
                    None if members is None else np.asarray(members, dtype=np.int64).reshape(-1, 2),
-                   None if starts is None else np.asarray(starts, dtype=np.int64))
+                   None if starts is None else np.asarray(starts, dtype=np.int64), container)
 
     @property
     def sharded(self) -> bool:
@@ -88,7 +93,8 @@ class Split:
         if not isinstance(other, Split):
             return NotImplemented
         return (self.paths == other.paths and np.array_equal(self.labels, other.labels)
-                and _same(self.members, other.members) and _same(self.starts, other.starts))
+                and _same(self.members, other.members) and _same(self.starts, other.starts)
+                and self.container == other.container)
 
     def classes(self) -> int:
         """How many distinct labels the split holds."""
@@ -101,6 +107,8 @@ class Split:
             if array is None:
                 continue
             atomic_write(folder / f"{name}-{part}.npy", lambda f, a=array: np.save(f, a))
+        if self.container != TAR:
+            atomic_write(folder / f"{name}-container.npy", lambda f: np.save(f, np.array(self.container)))
 
     @classmethod
     def load(cls, folder: Path, name: str) -> Split:
@@ -109,8 +117,9 @@ class Split:
             file = folder / f"{name}-{which}.npy"
             return np.asarray(np.load(file, mmap_mode="r")) if file.exists() else None
 
+        container = part("container")
         return cls(PackedStrings(part("paths"), part("offsets")), part("labels"), part("members"),
-                   part("starts"))
+                   part("starts"), TAR if container is None else str(container))
 
     @staticmethod
     def saved(folder: Path, name: str) -> bool:

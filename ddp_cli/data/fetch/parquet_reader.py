@@ -1,0 +1,200 @@
+"""Reading an image out of Hugging Face-style Parquet: one row group's image column at a time.
+
+A Parquet file is read by column chunk: one row group of the image column is
+the smallest read that yields an image (`ParquetFile.read_row_group(g,
+columns=[image])`), never the whole file. The index (sources/parquet.py)
+records each row's file, row group and row within the group; the training
+order reads a few row groups at a time (sampler.py, the shards' windows), so a
+process keeps the last `keep` row groups it read (a bounded cache: loader
+memory does not grow with the data set) and reads each once per window.
+
+Local files are read in place. Remote ones (S3) are read by range through
+fsspec, the file's footer once per process and then one request per row group
+of the image column, retried on transient errors (retry.py). Remote files are
+not downloaded whole as shards are: a window's row groups lie in as many
+different files, and a Hugging Face Parquet file is ~500 MB.
+
+An image is the row's `bytes`; a row with none is read from its `path`, under
+the data set root (a path that is absolute or climbs out of it is refused,
+never read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import fsspec
+
+from ddp_cli.data.fetch.retry import IoPolicy, with_retries
+from ddp_cli.data.fetch.storage import (
+    UNSAFE_PATH,
+    FileReader,
+    UnsafePath,
+    _is_local,
+    escapes,
+    filesystem_after_fork,
+    storage_error,
+)
+from ddp_cli.errors import DataError, require_extra
+
+ROW_MARK = "#"  # an index path is `<file>#<row in the file>`
+HF_METADATA = b"huggingface"  # the schema metadata key `datasets` writes its features under
+
+
+def row_file(path: str) -> str:
+    """The Parquet file of an index path `<file>#<row>`."""
+    return path.rsplit(ROW_MARK, 1)[0]
+
+
+def open_parquet(fs: fsspec.AbstractFileSystem, where: str) -> Any:
+    """A `pyarrow.parquet.ParquetFile` of `where` (local: in place; remote: ranged reads, no read-ahead);
+    exit 2 naming the install when pyarrow is missing."""
+    require_extra("parquet", f"{where}: layout parquet")
+    import pyarrow.parquet as pq
+
+    if _is_local(fs):
+        return pq.ParquetFile(where)
+    return pq.ParquetFile(fs.open(where, "rb", cache_type="none"))
+
+
+def hf_features(schema: Any) -> dict[str, Any]:
+    """The `datasets` features the file's schema metadata carries ({} if none)."""
+    raw = (schema.metadata or {}).get(HF_METADATA)
+    try:
+        features = json.loads(raw)["info"]["features"] if raw else {}
+    except (ValueError, KeyError, TypeError):
+        return {}
+    return features if isinstance(features, dict) else {}
+
+
+def image_column(schema: Any) -> str | None:
+    """The image column: a struct with `bytes` and/or `path` (`datasets`' Image), `image` first."""
+    import pyarrow as pa
+
+    names = [f.name for f in schema if pa.types.is_struct(f.type)
+             and {"bytes", "path"} & {f.type.field(i).name for i in range(f.type.num_fields)}]
+    return "image" if "image" in names else (names[0] if names else None)
+
+
+class ParquetReader:
+    """Reads row `row` of row group `group` of `<file>` under a root: fork-safe, thread-safe (one lock:
+    threads asking for the same row group wait for one read), local or remote."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, keep: int = 8,
+                 policy: IoPolicy = IoPolicy()) -> None:
+        self._fs, self._pid, self.policy = fs, -1, policy
+        self.root, self.keep = root.rstrip("/"), keep
+        self.files = FileReader(fs, root, policy=policy)  # rows that name a path instead of bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fresh process (the first use, or a forked loader process): its own files, groups and lock. A
+        loader process also takes Arrow's allocations from malloc, which keeps freed row groups for the
+        next: under pyarrow's default (mimalloc) a forked loader process spent ~25 ms of CPU per row group
+        read, 15 ms so (BENCHMARKS.md, "Parquet")."""
+        if self._pid != -1:
+            import pyarrow as pa
+
+            pa.set_memory_pool(pa.system_memory_pool())
+            keep_freed_memory()
+            self._fs = filesystem_after_fork(self._fs)
+        self._pid, self._lock = os.getpid(), threading.Lock()
+        self._open: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # file -> (ParquetFile, image column)
+        self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()  # (file, group) -> StructArray
+
+    def prefetch(self, paths: list[str]) -> None:
+        """Nothing to gather: a row group is read whole on its first image."""
+
+    def read(self, path: str, member: tuple[int, int]) -> bytes:
+        """The image bytes of index path `<file>#<row>` at (row group, row in group). FileNotFoundError
+        for a missing file or a row with no image, OSError for an unreadable one, DataError for remote
+        failures, UnsafePath for a path that could leave the root."""
+        file = row_file(path)
+        if escapes(file):
+            raise UnsafePath(UNSAFE_PATH)
+        group, row = (int(v) for v in member)
+        with self._locked():
+            image = self._group(file, group)[row]
+        data = image["bytes"].as_py() if "bytes" in image.type.names else None  # the path only if needed
+        if data is not None:
+            return data
+        name = image["path"].as_py() if "path" in image.type.names else None
+        if not name:
+            raise FileNotFoundError(f"{path}: no image (bytes and path both empty)")
+        return self.files.read(name)
+
+    def _locked(self) -> threading.Lock:
+        if self._pid != os.getpid():
+            self._reset()
+        return self._lock
+
+    def _group(self, file: str, group: int) -> Any:
+        """Row group `group` of `file`'s image column (most recently used last; the least recently used
+        dropped past `keep`)."""
+        key = (file, group)
+        if key not in self._groups:
+            self._groups[key] = self._read_group(file, group)
+            if len(self._groups) > self.keep:
+                self._groups.popitem(last=False)
+        self._groups.move_to_end(key)
+        return self._groups[key]
+
+    def _read_group(self, file: str, group: int) -> Any:
+        import pyarrow as pa
+
+        where = f"{self.root}/{file}"
+
+        def read() -> Any:
+            parquet, column = self._file(file)
+            try:
+                table = parquet.read_row_group(group, columns=[column], use_threads=False)  # 3x faster: a
+                chunks = table.column(column)  # loader process has one core's worth
+                return chunks.chunk(0) if chunks.num_chunks == 1 else chunks.combine_chunks()  # no copy
+            except Exception:
+                self._open.pop(file, None)  # a failed read may leave the remote file unusable: reopen
+                raise
+
+        try:
+            return with_retries(read, where, self.policy)
+        except (FileNotFoundError, DataError):
+            raise
+        except pa.ArrowException as e:
+            raise OSError(f"not a readable Parquet row group {group} ({e})") from e
+        except Exception as e:
+            mapped = None if _is_local(self._fs) else storage_error(e, where)
+            if mapped is None:
+                raise
+            raise mapped from e
+
+    def _file(self, file: str) -> tuple[Any, str]:
+        """`file` open, with its image column; a few stay open (footers read once)."""
+        if file not in self._open:
+            parquet = open_parquet(self._fs, f"{self.root}/{file}")
+            column = image_column(parquet.schema_arrow)
+            if column is None:
+                raise OSError(f"{file}: no image column (a struct with bytes and/or path)")
+            self._open[file] = parquet, column
+            if len(self._open) > self.keep:
+                self._open.popitem(last=False)
+        self._open.move_to_end(file)
+        return self._open[file]
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt(3)
+HEAP_KEPT = 1 << 30
+
+
+def keep_freed_memory() -> None:
+    """glibc: serve row groups (~10 MB) from the heap and keep what is freed there for the next one,
+    instead of a fresh mmap per row group whose every page faults in (2,300 faults per group)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator's own choice
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 25)
+        libc.mallopt(M_TRIM_THRESHOLD, HEAP_KEPT)

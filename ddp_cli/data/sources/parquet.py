@@ -1,0 +1,298 @@
+"""Layout `parquet`: image data sets as the Hugging Face hub ships them, read as they are.
+
+The files are `datasets`' Parquet: an image column (a struct of `bytes` and/or
+`path`, `datasets`' Image feature) and an integer `label`. Splits come from the
+file names, anywhere under the root (ImageNet-1k: `data/train-00000-of-00294.parquet`,
+`data/validation-*`, `data/test-*`), or from the folder a file is in
+(`train/0000.parquet`): `train-*` is train, `validation-*`, `valid-*` and `val-*`
+are val, `test-*` is test. Class names, first found: the features in the
+README.md's YAML front matter (`class_label: names:`), `dataset_info.json`, the
+features `datasets` writes into each file's schema, a `classes.txt` (a name per
+line, line i for label i); else the labels themselves ("0", "1", ...).
+
+The index reads only metadata and the label column: per row its file, row group
+and row within the group (`Split.members`), the rows grouped by row group
+(`Split.starts`), so the training order reads a few row groups at a time and a
+loader reads an image by its row group (fetch/parquet_reader.py). A row whose
+label is missing (-1: the hub's test splits) or not a class is left out and
+listed; a row with no bytes whose path could leave the root is refused as in
+every layout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from ddp_cli.data.fetch.parquet_reader import ROW_MARK, hf_features, image_column, open_parquet
+from ddp_cli.data.fetch.retry import with_retries
+from ddp_cli.data.fetch.storage import UNSAFE_PATH, escapes
+from ddp_cli.data.sources.packed import PARQUET, Split
+from ddp_cli.data.sources.table import IndexTable, select_classes
+from ddp_cli.errors import DataError
+
+SPLIT_OF = {"train": "train", "validation": "val", "valid": "val", "val": "val", "test": "test"}
+SPLIT_NAME = re.compile(r"^(train|validation|valid|val|test)(?:[-_.].*)?$")
+LABEL = "label"  # the class index column: what `datasets` names a ClassLabel by default
+CLASSES_FILE = "classes.txt"
+README, DATASET_INFO = "README.md", "dataset_info.json"
+READERS = 16  # files whose metadata and labels are read at once (remote: one request each at a time)
+
+
+def split_of(path: str) -> str | None:
+    """The split a Parquet file under the root belongs to, from its name or else its folder's."""
+    *folders, name = path.split("/")
+    for candidate in (name.removesuffix(".parquet"), *(folders[-1:])):
+        match = SPLIT_NAME.match(candidate)
+        if match:
+            return SPLIT_OF[match.group(1)]
+    return None
+
+
+def parquet_files(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, list[str]]:
+    """Per split, its Parquet files under `root` (relative, sorted: shard 00000 first)."""
+    found = with_retries(lambda: fs.find(root), root)
+    prefix = fs._strip_protocol(root).rstrip("/") + "/"
+    files: dict[str, list[str]] = {}
+    for path in sorted(p.removeprefix(prefix) for p in found if p.endswith(".parquet")):
+        split = split_of(path)
+        if split and not any(part.startswith(".") for part in path.split("/")):
+            files.setdefault(split, []).append(path)
+    return files
+
+
+@dataclass
+class FileRows:
+    """What the index needs of one file: rows per row group, each row's label (-1: none) and the rows
+    whose image is a path that could leave the root (`row`, `path`)."""
+
+    groups: np.ndarray
+    labels: np.ndarray
+    unsafe: list[tuple[int, str]] = field(default_factory=list)
+
+
+def read_rows(fs: fsspec.AbstractFileSystem, root: str, file: str, label: str) -> FileRows:
+    """`file`'s row groups and labels (the label column alone: no image is read); DataError naming the
+    file and the column when a column is missing."""
+    where = f"{root}/{file}"
+    try:
+        parquet = with_retries(lambda: open_parquet(fs, where), where)
+    except FileNotFoundError as e:
+        raise DataError(f"{where}: missing (listed a moment ago); check the root") from e
+    schema = parquet.schema_arrow
+    image, names = image_column(schema), ", ".join(schema.names)
+    if image is None:
+        raise DataError(f"{where}: no image column (a struct of bytes and/or path, as `datasets` writes "
+                        f"its Image feature); its columns: {names}")
+    if label not in schema.names:
+        raise DataError(f"{where}: no column {label!r} (its columns: {names}); layout parquet reads the "
+                        "class index from it")
+    import pyarrow as pa
+
+    if not pa.types.is_integer(schema.field(label).type):
+        raise DataError(f"{where}: column {label!r} holds {schema.field(label).type}, not class indices")
+    meta = parquet.metadata
+    groups = np.array([meta.row_group(g).num_rows for g in range(meta.num_row_groups)], dtype=np.int64)
+    labels = with_retries(lambda: parquet.read(columns=[label]).column(label), where)
+    return FileRows(groups, labels.fill_null(-1).to_numpy().astype(np.int64),
+                    unsafe_rows(parquet, image, groups))
+
+
+def unsafe_rows(parquet: Any, image: str, groups: np.ndarray) -> list[tuple[int, str]]:
+    """Rows with no bytes whose path could leave the root. Only row groups whose statistics do not rule
+    out a missing `bytes` are read (the hub's files embed every image: none is)."""
+    starts = np.concatenate([[0], np.cumsum(groups)])
+    found = []
+    for g in range(len(groups)):
+        if no_missing_bytes(parquet.metadata.row_group(g), image):
+            continue
+        for row, value in enumerate(parquet.read_row_group(g, columns=[image]).column(image).to_pylist()):
+            value = value or {}
+            if value.get("bytes") is None and value.get("path") and escapes(value["path"]):
+                found.append((int(starts[g]) + row, value["path"]))
+    return found
+
+
+def no_missing_bytes(group: Any, image: str) -> bool:
+    """Whether the row group's statistics say every row has its image bytes."""
+    for c in range(group.num_columns):
+        column = group.column(c)
+        if column.path_in_schema == f"{image}.bytes":
+            stats = column.statistics
+            return stats is not None and stats.has_null_count and stats.null_count == 0
+    return False
+
+
+def parquet_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[str] | None,
+                  splits: tuple[str, ...], on_bad_image: str) -> IndexTable:
+    """The index table of a `datasets`-style Parquet root (module docstring)."""
+    files = parquet_files(fs, root)
+    for name in splits:
+        if name not in files:
+            raise DataError(f"{root}: no Parquet files of the {name} split (named {name_pattern(name)} "
+                            "anywhere under the root, or in a folder so named); found: "
+                            f"{found_splits(files)}")
+    label = LABEL
+    wanted = [(name, file) for name in splits for file in files[name]]
+    with ThreadPoolExecutor(min(READERS, len(wanted))) as pool:
+        rows = dict(zip(wanted, pool.map(lambda item: read_rows(fs, root, item[1], label), wanted),
+                        strict=True))
+    unsafe = [f"{file}{ROW_MARK}{row}: image path {path!r}" for (_, file), r in rows.items()
+              for row, path in r.unsafe]
+    if unsafe and on_bad_image == "error":
+        raise DataError(f"{root}/{unsafe[0]}: {UNSAFE_PATH}, never read ({len(unsafe)} such row(s)); fix "
+                        'the data, or set data.on_bad_image = "skip" to skip them')
+    names = class_names(fs, root, label, first_schema(fs, root, wanted[0][1]))
+    if names is None:
+        top = max((int(r.labels.max()) for r in rows.values() if len(r.labels)), default=-1)
+        names = [str(i) for i in range(top + 1)]
+    keep = select_classes(names, names, classes)
+    relabel = np.full(len(names), -1, dtype=np.int64)
+    relabel[keep] = np.arange(len(keep))
+    out, problems = {}, []
+    for name in splits:
+        split, bad = split_rows([(file, rows[name, file]) for file in files[name]], relabel)
+        out[name] = split
+        problems += bad
+    return IndexTable([names[i] for i in keep], [names[i] for i in keep], out, problems, unsafe)
+
+
+def split_rows(files: list[tuple[str, FileRows]], relabel: np.ndarray) -> tuple[Split, list[dict[str, str]]]:
+    """One split's rows, grouped by row group in file order, and the rows left out for their label."""
+    sizes = np.concatenate([r.groups for _, r in files]) if files else np.zeros(0, np.int64)
+    group_of = np.repeat(np.arange(len(sizes)), sizes)
+    group_starts = np.concatenate([[0], np.cumsum(sizes)])
+    in_file = np.concatenate([np.arange(r.groups.sum()) for _, r in files]) if files else group_of
+    file_of = np.repeat(np.arange(len(files)), [int(r.groups.sum()) for _, r in files])
+    firsts = np.concatenate([[0], np.cumsum([len(r.groups) for _, r in files])])  # first group of each file
+    labels = np.concatenate([r.labels for _, r in files]) if files else group_of
+    known = (labels >= 0) & (labels < len(relabel))
+    mapped = np.where(known, relabel[np.clip(labels, 0, max(len(relabel) - 1, 0))], -1) if len(relabel) \
+        else np.full(len(labels), -1)
+    chosen = np.flatnonzero(mapped >= 0)
+    names = [file for file, _ in files]
+    problems = [{"path": f"{names[file_of[i]]}{ROW_MARK}{in_file[i]}",
+                 "reason": "no label" if labels[i] < 0 else f"label {labels[i]} is not a class"}
+                for i in np.flatnonzero(~known)]
+    paths = (f"{names[f]}{ROW_MARK}{r}" for f, r in zip(file_of[chosen].tolist(), in_file[chosen].tolist(),
+                                                         strict=True))
+    groups = group_of[chosen]
+    members = np.stack([groups - firsts[file_of[chosen]], chosen - group_starts[groups]], 1)
+    starts = np.searchsorted(groups, np.arange(len(sizes) + 1))
+    return Split.of(paths, mapped[chosen], members, starts, container=PARQUET), problems
+
+
+def name_pattern(split: str) -> str:
+    return " or ".join(f"{prefix}-*" for prefix, name in SPLIT_OF.items() if name == split)
+
+
+def found_splits(files: dict[str, list[str]]) -> str:
+    return ", ".join(f"{name} ({len(f)} files)" for name, f in files.items()) or "no Parquet file"
+
+
+def first_schema(fs: fsspec.AbstractFileSystem, root: str, file: str) -> Any:
+    where = f"{root}/{file}"
+    return with_retries(lambda: open_parquet(fs, where), where).schema_arrow
+
+
+def class_names(fs: fsspec.AbstractFileSystem, root: str, label: str, schema: Any) -> list[str] | None:
+    """The class names, from the first source that has them (module docstring), or None."""
+    readme = read_text(fs, f"{root}/{README}")
+    if readme is not None:
+        names = readme_class_names(readme, label)
+        if names is not None:
+            return names
+    info = read_text(fs, f"{root}/{DATASET_INFO}")
+    if info is not None:
+        names = info_class_names(info, label, f"{root}/{DATASET_INFO}")
+        if names is not None:
+            return names
+    names = features_class_names(hf_features(schema), label)
+    if names is not None:
+        return names
+    listed = read_text(fs, f"{root}/{CLASSES_FILE}")
+    if listed is not None:
+        return [line.strip() for line in listed.splitlines() if line.strip()]
+    return None
+
+
+def read_text(fs: fsspec.AbstractFileSystem, where: str) -> str | None:
+    try:
+        return with_retries(lambda: fs.cat_file(where), where).decode("utf-8", "replace")
+    except FileNotFoundError:
+        return None
+
+
+def features_class_names(features: Any, label: str) -> list[str] | None:
+    """`datasets`' features as JSON: {label: {"_type": "ClassLabel", "names": [...]}}."""
+    feature = features.get(label) if isinstance(features, dict) else None
+    if isinstance(feature, dict) and isinstance(feature.get("names"), list):
+        return [str(n) for n in feature["names"]]
+    return None
+
+
+def info_class_names(text: str, label: str, where: str) -> list[str] | None:
+    """`dataset_info.json`: the features at the top, or under a single config name (dataset_infos.json)."""
+    try:
+        info = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"{where}: not JSON ({e}); fix it or remove it") from e
+    if isinstance(info, dict) and "features" not in info and len(info) == 1:
+        info = next(iter(info.values()))
+    return features_class_names(info.get("features") if isinstance(info, dict) else None, label)
+
+
+def readme_class_names(text: str, label: str) -> list[str] | None:
+    """The `class_label: names:` of feature `label` in a README's YAML front matter (the hub's dataset
+    card), or None. Read without a YAML library: the names block is a map of index to name (or a list)."""
+    lines = text.splitlines()
+    if not lines or lines[0].strip() != "---":
+        return None
+    end = next((i for i, line in enumerate(lines[1:], 1) if line.strip() == "---"), len(lines))
+    feature, i = None, 1
+    while i < end:
+        stripped = lines[i].strip()
+        if stripped.startswith("- name:"):
+            feature = unquote(stripped.removeprefix("- name:").strip())
+        elif stripped == "names:" and feature == label and "class_label" in lines[i - 1]:
+            return names_block(lines, i, end)
+        i += 1
+    return None
+
+
+def names_block(lines: list[str], at: int, end: int) -> list[str]:
+    """The names under `lines[at]` ("names:"), indented deeper: `'0': tench` or `- tench`."""
+    indent = len(lines[at]) - len(lines[at].lstrip())
+    named: dict[int, str] = {}
+    listed: list[str] = []
+    i = at + 1
+    while i < end and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > indent):
+        entry = lines[i].strip()
+        if entry.startswith("- "):
+            listed.append(unquote(entry[2:].strip()))
+        elif ":" in entry:
+            key, _, value = entry.partition(":")
+            if unquote(key.strip()).isdigit():
+                named[int(unquote(key.strip()))] = unquote(value.strip())
+        i += 1
+    if named:
+        return [named.get(k, str(k)) for k in range(max(named) + 1)]
+    return listed
+
+
+def unquote(value: str) -> str:
+    """A YAML scalar as written in a dataset card: 'single' ('' for '), "double" (JSON escapes), or plain."""
+    if len(value) >= 2 and value[0] == value[-1] == "'":
+        return value[1:-1].replace("''", "'")
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value[1:-1]
+    return value
