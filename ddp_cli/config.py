@@ -27,6 +27,7 @@ from pydantic import (
 
 from ddp_cli.errors import ConfigError, did_you_mean
 from ddp_cli.user_model import is_user_model, locate, parse
+from ddp_cli.userfiles import parse_toml, read_text
 
 
 class Section(BaseModel):
@@ -447,17 +448,14 @@ class RunConfig(Section):
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a TOML run config, apply `--set key=value` overrides, validate."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config ({e.strerror}); check the path") from e
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: TOML syntax error: {e}") from e
+    raw = parse_toml(read_text(path, ConfigError), str(path), ConfigError)
     for item in overrides:
         apply_override(raw, item)
-    return with_model_source(config_from_dict(raw, source=str(path)), path.parent)
+    cfg = config_from_dict(raw, source=str(path))
+    try:
+        return with_model_source(cfg, path.parent)
+    except ConfigError as e:  # the model's file: named with the config that names it
+        raise ConfigError(f"{path}: {e}") from e
 
 
 def with_model_source(cfg: RunConfig, folder: Path) -> RunConfig:

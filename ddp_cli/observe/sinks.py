@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ddp_cli.config import LoggingConfig
-from ddp_cli.errors import require_extra
+from ddp_cli.errors import DataError, require_extra
+from ddp_cli.userfiles import read_text
 
 CSV_COLUMNS = ("time", "epoch", "step", "split", "loss", "top1", "top5", "lr", "images_per_second",
                "skipped_images", "images")
@@ -139,12 +140,29 @@ def build_sinks(cfg: LoggingConfig, run_dir: Path, config: dict[str, Any]) -> Si
     return Sinks(sinks)
 
 
+# what `ddp report` reads of each record of a split: numbers (NaN included: a diverged run logs one)
+NUMBERS = {"train": ("epoch", "step", "loss", "lr", "images_per_second"),
+           "val": ("epoch", "step", "loss", "top1", "top5")}
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Every complete line of a metrics.jsonl (a run still writing may have a partial last one)."""
+    """Every complete line of a metrics.jsonl (a run still writing may have a partial last one, and one
+    killed mid-line and resumed a partial line in the middle): DataError naming the line where a
+    complete one is not a record `ddp report` can read."""
     records = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(read_text(path).splitlines(), 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
             continue
+        if not isinstance(record, dict):
+            raise DataError(f"{path}, line {number}: not a JSON object; metrics.jsonl holds one record "
+                            "a line, as `ddp train` writes it")
+        split = record.get("split")
+        for key in NUMBERS.get(split, ()) if isinstance(split, str) else ():
+            value = record.get(key)
+            if type(value) not in (int, float):
+                raise DataError(f"{path}, line {number}: {key} is {str(value)[:40]!r}, not a number; "
+                                "metrics.jsonl holds one record a line, as `ddp train` writes it")
+        records.append(record)
     return records

@@ -106,10 +106,16 @@ def manifest_path(path: Path) -> Path:
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
+    """`path`'s manifest, or None when there is none or it is not one (cut short, altered, another
+    file's): a checkpoint without a manifest that checks out is never trusted."""
     try:
-        return json.loads(manifest_path(path).read_text())
-    except (OSError, ValueError):
+        manifest = json.loads(manifest_path(path).read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    if (isinstance(manifest, dict) and type(manifest.get("sha256")) is str
+            and type(manifest.get("bytes")) is int and type(manifest.get("step", 0)) is int):
+        return manifest
+    return None
 
 
 def verify(path: Path) -> str | None:

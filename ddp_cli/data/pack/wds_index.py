@@ -18,7 +18,6 @@ import io
 import re
 import tarfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -27,9 +26,11 @@ from ddp_cli.data.pack.writer import Destination
 from ddp_cli.data.sources.packed import PackedStrings
 from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
 from ddp_cli.errors import DataError
+from ddp_cli.userfiles import read_text
 
 KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+MAX_LABEL = 32  # bytes of a .cls member read: a decimal label is short, a lying one is not read whole
 
 
 class HashingReader:
@@ -67,8 +68,8 @@ def scan_shard(f: BinaryIO, name: str) -> tuple[ShardInfo, list[tuple[str, str, 
                 if ext in IMAGE_EXTS:
                     images[key] = (member.name, member.offset_data, member.size)
                 elif ext == "cls":
-                    text = tar.extractfile(member).read().decode().strip()
-                    labels[key] = int(text) if text.isdigit() else -1
+                    text = tar.extractfile(member).read(MAX_LABEL).strip()
+                    labels[key] = int(text) if text.isdigit() else -1  # bytes: ASCII digits only
     except tarfile.TarError as e:
         raise DataError(f"{name}: not a readable tar ({e})") from e
     reader.drain()
@@ -123,7 +124,7 @@ def index_shards(root: str, splits: dict[str, str], classes_file: str | None,
 def _class_names(classes_file: str | None, count: int) -> list[str]:
     if classes_file is None:
         return [str(i) for i in range(count)]
-    names = [line.strip() for line in Path(classes_file).read_text().splitlines() if line.strip()]
+    names = [line.strip() for line in read_text(classes_file).splitlines() if line.strip()]
     if len(names) < count:
         raise DataError(f"{classes_file}: names {len(names)} classes, but the shards hold labels up to "
                         f"{count - 1}; list one name per line for every label")

@@ -16,6 +16,7 @@ import fsspec
 from ddp_cli.data.fetch.retry import with_retries
 from ddp_cli.data.sources.table import IMAGE_EXTENSIONS
 from ddp_cli.errors import DataError
+from ddp_cli.userfiles import decode
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
 
 def read_text(fs: fsspec.AbstractFileSystem, path: str) -> str:
     try:
-        return with_retries(lambda: fs.cat_file(path), path).decode()
+        data = with_retries(lambda: fs.cat_file(path), path)
     except FileNotFoundError as e:
         raise DataError(f"{path}: missing; is the data set root right?") from e
+    return decode(data, path)
 
 
 def read_csv(fs, path: str, columns: tuple[str, ...]) -> pd.DataFrame:
