@@ -30,7 +30,7 @@ from ddp_cli.userfiles import read_text
 
 KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-MAX_LABEL = 32  # bytes of a .cls member read: a decimal label is short, a lying one is not read whole
+MAX_LABEL = 6  # digits of a .cls label: up to 999,999 classes (a longer one is no label: skipped)
 
 
 class HashingReader:
@@ -68,8 +68,8 @@ def scan_shard(f: BinaryIO, name: str) -> tuple[ShardInfo, list[tuple[str, str, 
                 if ext in IMAGE_EXTS:
                     images[key] = (member.name, member.offset_data, member.size)
                 elif ext == "cls":
-                    text = tar.extractfile(member).read(MAX_LABEL).strip()
-                    labels[key] = int(text) if text.isdigit() else -1  # bytes: ASCII digits only
+                    text = tar.extractfile(member).read(MAX_LABEL + 2).strip()  # a newline may follow
+                    labels[key] = int(text) if text.isdigit() and len(text) <= MAX_LABEL else -1  # ASCII only
     except tarfile.TarError as e:
         raise DataError(f"{name}: not a readable tar ({e})") from e
     reader.drain()

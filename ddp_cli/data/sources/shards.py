@@ -112,6 +112,9 @@ def _split_info(raw: Any) -> SplitInfo:
                        for s in shards)):
         raise TypeError("a split holds images (a number), shards (each: name, images, bytes, sha256) "
                         "and skipped (a list)")
+    outside = next((s["name"] for s in shards if "/" in s["name"] or s["name"] in ("", ".", "..")), None)
+    if outside is not None:
+        raise ValueError(f"shard {outside!r} is not a file name in the index's folder")
     return SplitInfo(raw["images"], [ShardInfo(**s) for s in shards], raw.get("skipped", []))
 
 
