@@ -116,10 +116,12 @@ def member(tar: tarfile.TarFile, name: str, data: bytes = b"", kind: bytes = tar
     tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
 
 
+LABELS = {"label": b"1", "huge-label": b"9" * 100_000, "superscript-label": "\u00b2".encode(),
+          "binary-label": b"\xff\xfe", "negative-label": b"-1"}
 NAMES = st.sampled_from(["s/0001", "../up", "/abs/0002", "a/../../b", "ok", "x" * 200, "dot.ted.name", "s/"])
 MEMBERS = st.lists(st.tuples(NAMES, st.sampled_from(["jpg", "cls", "png", "txt", ""]),
-                             st.sampled_from(["data", "label", "huge-label", "symlink", "hardlink", "dir",
-                                              "lying-size"])), max_size=6)
+                             st.sampled_from(list(LABELS) + ["data", "symlink", "hardlink", "dir",
+                                                             "lying-size"])), max_size=6)
 
 
 def wds_shard(members: list[tuple[str, str, str]], cut: int) -> bytes:
@@ -129,8 +131,8 @@ def wds_shard(members: list[tuple[str, str, str]], cut: int) -> bytes:
             name = f"{key}.{ext}" if ext else key
             if what == "data":
                 member(tar, name, JPEG)
-            elif what in ("label", "huge-label"):
-                member(tar, name, b"1" if what == "label" else b"9" * 100_000)
+            elif what in LABELS:
+                member(tar, name, LABELS[what])
             elif what in ("symlink", "hardlink"):
                 member(tar, name, kind=tarfile.SYMTYPE if what == "symlink" else tarfile.LNKTYPE,
                        link="/etc/passwd")
@@ -150,6 +152,8 @@ def wds_shard(members: list[tuple[str, str, str]], cut: int) -> bytes:
 @example(members=[("/abs/0002", "jpg", "symlink"), ("/abs/0002", "cls", "label")], cut=0).via("a link")
 @example(members=[("s/0001", "jpg", "lying-size"), ("s/0001", "cls", "label")], cut=1500).via("cut short")
 @example(members=[("s/0001", "jpg", "data"), ("s/0001", "cls", "huge-label")], cut=0).via("a huge label")
+@example(members=[("s/0001", "jpg", "data"), ("s/0001", "cls", "superscript-label")], cut=0).via("not 0-9")
+@example(members=[("s/0001", "jpg", "data"), ("s/0001", "cls", "binary-label")], cut=0).via("not UTF-8")
 def test_webdataset_shard(members: list, cut: int):
     """`ddp datasets index` on a tar of any members, then `datasets check` reading every image."""
     with tempfile.TemporaryDirectory() as tmp:
