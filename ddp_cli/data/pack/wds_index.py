@@ -97,22 +97,24 @@ def index_shards(root: str, splits: dict[str, str], classes_file: str | None,
                             f"--split {name}=GLOB")
     total, done = sum(map(len, found.values())), 0
     infos: dict[str, SplitInfo] = {}
-    highest = -1
+    highest, highest_in = -1, ""  # the highest label, and the shard holding it
     for name, shards in found.items():
         rows, shard_infos, skipped = [], [], []
         for j, shard in enumerate(shards):
             with dest.fs.open(f"{dest.root}/{shard}", "rb") as f:
                 info, samples, bad = scan_shard(f, shard)
             rows += [(j, *sample) for sample in samples]
+            top = max((sample[-1] for sample in samples), default=-1)
+            if top > highest:
+                highest, highest_in = top, shard
             shard_infos.append(info)
             skipped += bad
             done += 1
             if progress:
                 progress(done, total)
         infos[name] = SplitInfo(len(rows), shard_infos, skipped)
-        highest = max([highest, *(row[-1] for row in rows)])
         dest.write(samples_name(name), _samples_bytes(rows))
-    synsets = _class_names(classes_file, highest + 1)
+    synsets = _class_names(classes_file, highest + 1, highest_in)
     index = ShardsIndex(synsets, list(synsets), infos, source={"written_by": "webdataset", "root": dest.url})
     dest.write(INDEX, index.to_json().encode())
     dest.clear_work([])
@@ -121,12 +123,12 @@ def index_shards(root: str, splits: dict[str, str], classes_file: str | None,
                        for name, info in infos.items()}}
 
 
-def _class_names(classes_file: str | None, count: int) -> list[str]:
+def _class_names(classes_file: str | None, count: int, highest_in: str) -> list[str]:
     if classes_file is None:
         return [str(i) for i in range(count)]
     names = [line.strip() for line in read_text(classes_file).splitlines() if line.strip()]
     if len(names) < count:
-        raise DataError(f"{classes_file}: names {len(names)} classes, but the shards hold labels up to "
+        raise DataError(f"{classes_file}: names {len(names)} classes, but shard {highest_in} holds label "
                         f"{count - 1}; list one name per line for every label")
     return names
 

@@ -32,6 +32,9 @@ from ddp_cli.userfiles import decode, parse_json
 
 FORMAT, VERSION = "ddp-shards", 1
 INDEX = "index.json"
+# what np.load and its zip reader raise on a file cut short or altered (a zip "version" it does not
+# implement, a bad CRC, a header that is no dict, a missing array)
+NOT_AN_NPZ = (ValueError, KeyError, OSError, EOFError, NotImplementedError, zipfile.BadZipFile, zlib.error)
 
 
 def samples_name(split: str) -> str:
@@ -149,7 +152,7 @@ class Samples:
                 strings = {name: PackedStrings(z[f"{name}_data"], z[f"{name}_offsets"])
                            for name in ("key", "member", "path")}
                 return cls(z["shard"], z["offset"], z["size"], z["label"], **strings)
-        except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        except NOT_AN_NPZ as e:
             raise DataError(f"{where}: not a samples table ({type(e).__name__}: {e}); pack the data set "
                             "again") from e
 
