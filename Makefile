@@ -75,7 +75,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf runs .data .pytest_cache site
+	rm -rf runs .data .pytest_cache .hypothesis site
 
 # The documentation site from docs/ into site/ (the CLI and config references generated from the code).
 docs: setup
