@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given
@@ -26,7 +27,7 @@ from ddp_cli.train.checkpoint_model import load_trained
 from tests.fuzz.checks import user_error_or_none
 from tests.fuzz.conftest import budget
 from tests.fuzz.mutate import ABSURD
-from tests.fuzz.targets import REPO, SYNSETS
+from tests.fuzz.targets import REPO, SYNSETS, read_shards, shards_files
 from tests.synthetic import encoded, image
 
 LOCAL = fsspec.filesystem("file")
@@ -162,6 +163,25 @@ def test_webdataset_shard(members: list, cut: int):
                                    "w-000.tar")
         if error is None:
             user_error_or_none(lambda: check_dataset(LOCAL, tmp, "shards", workers=1), tmp)
+
+
+# ---- samples tables whose arrays are well-formed npz but mean nothing ----
+
+@pytest.mark.parametrize("column, value", [("label", 7), ("label", -1), ("shard", 3), ("offset", -5),
+                                           ("size", 1.5), ("key_offsets", 10**6)])
+def test_samples_table_values(column: str, value: float, tmp_path: Path):
+    """A label or shard the index does not list, a negative offset, a float, a string past its buffer."""
+    files = shards_files()
+    with np.load(io.BytesIO(files["train-samples.npz"])) as z:
+        arrays = dict(z)
+    arrays[column] = arrays[column].astype(type(value))
+    arrays[column][-1] = value
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    for name, data in {**files, "train-samples.npz": out.getvalue()}.items():
+        (tmp_path / name).write_bytes(data)
+    error = user_error_or_none(lambda: read_shards(tmp_path), "train-samples.npz")
+    assert error is not None
 
 
 # ---- checkpoints whose keys are missing or of the wrong type ----

@@ -168,8 +168,8 @@ class Samples:
         for name, column in columns.items():
             length = n + 1 if name.endswith("_offsets") else None if name.endswith("_data") else n
             if column.ndim != 1 or column.dtype.kind not in "iu" or length not in (None, len(column)):
-                raise DataError(f"{where}: column {name} is not {length or 'a row of'} integers; pack the "
-                                "data set again")
+                raise DataError(f"{where}: column {name} is not a flat array of integers of the right "
+                                "length; pack the data set again")
         problem = self._problem(classes, shards)
         if problem:
             raise DataError(f"{where}: {problem}; pack the data set again")
