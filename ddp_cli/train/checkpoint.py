@@ -98,9 +98,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 # the types of the fields that loading and migrating read, where a checkpoint holds them (none is a bool)
 FIELDS: dict[str, tuple[type, ...]] = {
-    "format_version": (int,), "config": (dict,), "classes": (list,), "descriptions": (list,),
+    "format_version": (int,), "classes": (list,), "descriptions": (list,),
     "model": (dict, type(None)), "ema": (dict, type(None)), "final": (dict, type(None)),
-    "final_ema": (dict, type(None)), "dataset": (dict, type(None)), "rng": (list,), "running": (list,),
+    "final_ema": (dict, type(None)), "dataset": (dict, type(None)), "rng": (list, dict), "running": (list,),
     "global_batch": (int,), "step_in_epoch": (int,),
 }
 

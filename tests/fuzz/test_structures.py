@@ -22,6 +22,7 @@ from ddp_cli.commands import writable
 from ddp_cli.config import RunConfig, load_config
 from ddp_cli.data.pack.wds_index import index_shards
 from ddp_cli.data.pipeline.check import check_dataset
+from ddp_cli.plan import image_sizes
 from ddp_cli.train.checkpoint import save_checkpoint
 from ddp_cli.train.checkpoint_model import load_trained
 from tests.fuzz.checks import user_error_or_none
@@ -49,9 +50,17 @@ def config_keys() -> list[str]:
        | st.integers().map(str))
 @example(key="data.image_size", value="1e308").via("a float where a size goes")
 @example(key="model.name", value="'\\u0000.py:Net'").via("a NUL byte in a model file's path")
+@example(key="train.epochs", value="1000000000000").via("epochs the dry run's plan would walk for hours")
+@example(key="data.ramp_epochs", value="[0, inf]").via("a ramp that never ends")
 def test_set_value(key: str, value: str):
-    """`--set KEY=VALUE` with any value: the config or the flag named in the error."""
-    error = user_error_or_none(lambda: load_config(REPO / "configs/demo.toml", [f"{key}={value}"]), "")
+    """`--set KEY=VALUE` with any value: the config or the flag named in the error; a config it takes
+    gives the dry run's plan of image sizes (which walks the epochs) in time."""
+    def read() -> None:
+        cfg = load_config(REPO / "configs/demo.toml", [f"{key}={value}"])
+        image_sizes(cfg)
+        cfg.data.sizes(cfg.train.epochs)
+
+    error = user_error_or_none(read, "")
     if error is not None:
         assert "--set" in str(error) or "demo.toml" in str(error), str(error)
 

@@ -33,8 +33,9 @@ from ddp_cli.userfiles import decode, parse_json
 FORMAT, VERSION = "ddp-shards", 1
 INDEX = "index.json"
 # what np.load and its zip reader raise on a file cut short or altered (a zip "version" it does not
-# implement, a bad CRC, a header that is no dict, a missing array)
-NOT_AN_NPZ = (ValueError, KeyError, OSError, EOFError, NotImplementedError, zipfile.BadZipFile, zlib.error)
+# implement, an "encrypted" flag (RuntimeError), a bad CRC, a header that is no dict, a missing array)
+NOT_AN_NPZ = (ValueError, KeyError, OSError, EOFError, NotImplementedError, RuntimeError, zipfile.BadZipFile,
+              zlib.error)
 
 
 def samples_name(split: str) -> str:
