@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import ddp_in_process
-from tests.fuzz.targets import checkpoint_bytes, report_files
-from tests.synthetic import write_registry
+from conftest import ddp_in_process
+from fuzz_targets import JPEG, checkpoint_bytes, report_files
+from synthetic import write_registry
 
 UTF16 = "data_config_version = 1\n".encode("utf-16")
 
@@ -34,8 +33,6 @@ def test_registry_family(tmp_path: Path):
 
 @pytest.mark.parametrize("empty", ["train", "val"])
 def test_datasets_check_fails_a_data_set_with_nothing_to_learn(tmp_path: Path, empty: str):
-    from tests.fuzz.test_structures import JPEG
-
     for split in ("train", "val"):
         (tmp_path / "root" / split / "c0").mkdir(parents=True)
         if split != empty:

@@ -7,13 +7,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from fuzz_targets import BY_NAME, TARGETS, Target
+from fuzzing import budget, user_error_or_none
 from hypothesis import given
 from hypothesis import strategies as st
-
-from tests.fuzz.checks import user_error_or_none
-from tests.fuzz.conftest import budget
-from tests.fuzz.mutate import mutants
-from tests.fuzz.targets import BY_NAME, TARGETS, Target
+from mutants import mutants
 
 CORPUS = Path(__file__).parent / "corpus"
 EXAMPLES = 60  # per target in `make test`

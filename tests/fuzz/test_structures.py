@@ -1,7 +1,7 @@
 """Inputs whose bytes are fine but whose structure is not: `--set` values, output paths, ImageFolder
 trees (empty splits, classes with no image), webdataset tar members (`..`, absolute names, links,
 sizes that lie, cut-short archives) and checkpoints holding the wrong keys. The same rule as for
-mutated files (`checks.user_error_or_none`), and a data set with nothing to train or validate on
+mutated files (`fuzzing.user_error_or_none`), and a data set with nothing to train or validate on
 must fail `datasets check`."""
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from fuzz_targets import JPEG, REPO, SYNSETS, read_shards, shards_files
+from fuzzing import budget, user_error_or_none
 from hypothesis import example, given
 from hypothesis import strategies as st
+from mutants import ABSURD
 
 from ddp_cli.commands import writable
 from ddp_cli.config import RunConfig, load_config
@@ -25,14 +28,8 @@ from ddp_cli.data.pipeline.check import check_dataset
 from ddp_cli.plan import image_sizes
 from ddp_cli.train.checkpoint import save_checkpoint
 from ddp_cli.train.checkpoint_model import load_trained
-from tests.fuzz.checks import user_error_or_none
-from tests.fuzz.conftest import budget
-from tests.fuzz.mutate import ABSURD
-from tests.fuzz.targets import REPO, SYNSETS, read_shards, shards_files
-from tests.synthetic import encoded, image
 
 LOCAL = fsspec.filesystem("file")
-JPEG = encoded(image(0, 0, size=8))
 ABSURD_TEXT = [v.decode("utf-8", "replace") for v in ABSURD]
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
+from synthetic import encoded, image
 
 from ddp_cli.config import RunConfig, load_config
 from ddp_cli.data.pack.wds_index import _samples_bytes, index_shards
@@ -28,6 +29,7 @@ from ddp_cli.train.checkpoint_model import load_trained
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = fsspec.filesystem("file")
+JPEG = encoded(image(0, 0, size=8))  # a real image, for the trees and tars that must decode
 
 
 @dataclass(frozen=True)
