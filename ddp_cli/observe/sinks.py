@@ -140,9 +140,10 @@ def build_sinks(cfg: LoggingConfig, run_dir: Path, config: dict[str, Any]) -> Si
     return Sinks(sinks)
 
 
-# what `ddp report` reads of each record of a split: numbers (NaN included: a diverged run logs one)
-NUMBERS = {"train": ("epoch", "step", "loss", "lr", "images_per_second"),
-           "val": ("epoch", "step", "loss", "top1", "top5")}
+# what `ddp report` reads of each record of a split: numbers (NaN included: a diverged run logs one);
+# a train record's epoch and images_per_second may be absent, but are numbers where present
+NUMBERS = {"train": ("step", "loss", "lr"), "val": ("epoch", "step", "loss", "top1", "top5")}
+OPTIONAL = ("epoch", "images_per_second")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -159,7 +160,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             raise DataError(f"{path}, line {number}: not a JSON object; metrics.jsonl holds one record "
                             "a line, as `ddp train` writes it")
         split = record.get("split")
-        for key in NUMBERS.get(split, ()) if isinstance(split, str) else ():
+        required = NUMBERS.get(split, ()) if isinstance(split, str) else ()
+        for key in (*required, *(k for k in OPTIONAL if k in record and required)):
             value = record.get(key)
             if type(value) not in (int, float):
                 raise DataError(f"{path}, line {number}: {key} is {str(value)[:40]!r}, not a number; "
