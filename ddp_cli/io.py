@@ -10,6 +10,7 @@ import hashlib
 import os
 import pickle
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -84,7 +85,9 @@ def load_plain(path: Path) -> Any:
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # an altered byte reads as an odd pickle protocol: the error says it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise DataError(f"{path}: refused, it holds more than plain data (weights_only load): "
                         f"{_first_line(e)}") from e
