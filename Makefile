@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # the site: strict (a broken link, page or anchor fails), offline; without Material's notice
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-.PHONY: setup train test test-cuda gpu-check lint docs clean constraints mutate
+.PHONY: setup train test test-cuda gpu-check lint docs clean constraints mutate fuzz
 
 setup: $(STAMP)
 
@@ -35,7 +35,7 @@ train: setup
 test: setup
 	$(BIN)/ruff check .
 	$(MKDOCS) --quiet
-	$(BIN)/python -m pytest -q -n auto tests/unit tests/gpu_rules
+	$(BIN)/python -m pytest -q -n auto tests/unit tests/gpu_rules tests/fuzz
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests/e2e tests/cuda
 
 # The GPU paths (NCCL, bf16/fp16 autocast + GradScaler, pinned loaders); skipped without CUDA.
@@ -65,11 +65,17 @@ mutate: setup
 	$(BIN)/mutmut run --max-children $(MUTATE_JOBS) $(if $(MODULE),'$(subst /,.,$(basename $(MODULE))).*')
 	$(BIN)/python tools/mutation_score.py $(MODULE)
 
+# The fuzz suite's longer search (tests/fuzz; docs/development.md, "Fuzzing"): 25 times the examples of
+# `make test`, drawn afresh each run (make test's are fixed), minutes. Run it after touching a parser
+# or reader of users' files; a failure it finds goes into tests/fuzz/corpus/<target>/ as a named case.
+fuzz: setup
+	DDP_FUZZ=long $(BIN)/python -m pytest -q -n auto tests/fuzz
+
 lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf runs .data .pytest_cache site
+	rm -rf runs .data .pytest_cache .hypothesis site
 
 # The documentation site from docs/ into site/ (the CLI and config references generated from the code).
 docs: setup

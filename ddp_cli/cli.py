@@ -286,7 +286,7 @@ def datasets_check(
     """Read and decode every image of a split; list every bad file and why. Exit 3 if any.
 
     Reasons: missing file (named in the listing/CSV), unreadable, not an image, truncated,
-    corrupt, unknown synset.
+    corrupt, unknown synset; an empty split and a class without a train image fail it too.
 
     Examples:
 

@@ -40,6 +40,7 @@ from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.jobs import Job, prepare_job, read_result
 from ddp_cli.starter import write_starter
+from ddp_cli.userfiles import user_path
 
 if TYPE_CHECKING:
     from ddp_cli.preflight import Preflight
@@ -287,13 +288,14 @@ def writable(path: str | None, flag: str) -> str | None:
     """`path` made absolute, its folder created: a bad path fails before any worker starts."""
     if not path:
         return None
-    target = Path(path).expanduser().resolve()
+    target = Path(user_path(path, flag)).resolve()
     try:
         with writing(target):  # a read-only disk, no permission: exit 6 as when the file is written
             target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+        folder = target.is_dir()
+    except OSError as e:  # a file where a folder must be, a name too long
         raise ConfigError(f"{flag} {path}: cannot write there ({e.strerror}); choose another file") from e
-    if target.is_dir():
+    if folder:
         raise ConfigError(f"{flag} {path}: is a folder; give a file name, e.g. {path}/out.csv")
     return str(target)
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 import types
 import typing
@@ -29,6 +30,7 @@ from ddp_cli.errors import ConfigError, did_you_mean
 from ddp_cli.timm_model import PRETRAINED, cached_weights, data_config, data_settings, is_timm_model, with_tag
 from ddp_cli.timm_model import parse as parse_timm
 from ddp_cli.user_model import is_user_model, locate, parse
+from ddp_cli.userfiles import parse_toml, read_text
 
 
 class Section(BaseModel):
@@ -119,8 +121,8 @@ class DataConfig(Section):
     @field_validator("ramp_epochs")
     @classmethod
     def _ramp_in_order(cls, value: list[float]) -> list[float]:
-        if len(value) != 2 or not 0 <= value[0] <= value[1]:
-            raise ValueError("expected [start, end] with 0 <= start <= end")
+        if len(value) != 2 or not 0 <= value[0] <= value[1] < math.inf:
+            raise ValueError("expected [start, end] with 0 <= start <= end")  # and finite
         return value
 
     @model_validator(mode="after")
@@ -142,8 +144,10 @@ class DataConfig(Section):
         return min(self.image_size, max(low, round(between / 32) * 32))
 
     def sizes(self, epochs: int) -> set[int]:
-        """Every input side the model meets: each epoch's train crop and the val crop."""
-        return {self.train_size(e) for e in range(epochs)} | {self.val_image_size or self.image_size}
+        """Every input side the model meets: each epoch's train crop and the val crop (after the ramp's
+        end every epoch's crop is image_size: those epochs are not walked one by one)."""
+        ramp = range(min(epochs, math.ceil(self.ramp_epochs[1]) + 1))
+        return {self.train_size(e) for e in ramp} | {self.val_image_size or self.image_size}
 
 
 class AugmentConfig(Section):
@@ -315,8 +319,12 @@ class ScheduleConfig(Section):
     pct_start: float = Field(0.25, gt=0, lt=1, description="onecycle: fraction of steps rising.")
 
 
+MAX_EPOCHS = 1_000_000  # a typo'd 10**12 would hang the dry run's plan, which walks the epochs
+
+
 class TrainConfig(Section):
-    epochs: int = Field(90, ge=1, description="Passes over the training split.")
+    epochs: int = Field(90, ge=1, le=MAX_EPOCHS, description="Passes over the training split (at most a "
+                        "million: the plan and the schedule walk them).")
     precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
         "fp32", description="Autocast precision; fp16 uses a GradScaler and needs CUDA; auto = bf16 "
         "where the device computes it natively (CUDA 8.0+, CPUs with AVX-512 BF16 or AMX), else fp32."
@@ -471,17 +479,14 @@ class RunConfig(Section):
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a TOML run config, apply `--set key=value` overrides, validate."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config ({e.strerror}); check the path") from e
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: TOML syntax error: {e}") from e
+    raw = parse_toml(read_text(path, ConfigError), str(path), ConfigError)
     for item in overrides:
         apply_override(raw, item)
-    return with_model_source(config_from_dict(raw, source=str(path)), path.parent, set(dotted_keys(raw)))
+    cfg = config_from_dict(raw, source=str(path))
+    try:
+        return with_model_source(cfg, path.parent, set(dotted_keys(raw)))
+    except ConfigError as e:  # the model's file: named with the config that names it
+        raise ConfigError(f"{path}: {e}") from e
 
 
 def with_model_source(cfg: RunConfig, folder: Path, given: set[str] = frozenset()) -> RunConfig:

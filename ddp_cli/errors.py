@@ -7,6 +7,7 @@ and its `exit_code`; anything else is a bug (exit 1).
 from __future__ import annotations
 
 import importlib.util
+import re
 
 OK = 0
 INTERNAL = 1
@@ -25,7 +26,7 @@ class DdpError(Exception):
     exit_code = INTERNAL
 
     def __init__(self, message: str, exit_code: int | None = None) -> None:
-        super().__init__(message)
+        super().__init__(one_line(message))
         if exit_code is not None:
             self.exit_code = exit_code
 
@@ -62,6 +63,12 @@ class WriteError(DdpError):
 
 class WorkerFailed(DdpError):
     """A worker exited with this code; it already printed its own message (may be empty)."""
+
+
+def one_line(message: str) -> str:
+    """`message` with control characters written as escapes (`\\n`, `\\x1b`): a key, a path or a value
+    quoted from a user's file stays on the message's one line and cannot drive the terminal."""
+    return re.sub(r"[\x00-\x08\x0a-\x1f\x7f]", lambda m: repr(m.group())[1:-1], message)
 
 
 def did_you_mean(word: str, known: list[str] | tuple[str, ...]) -> str:

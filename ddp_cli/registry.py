@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 import uuid as uuidlib
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +22,7 @@ from ddp_cli.config import describe_validation_error
 from ddp_cli.data.sources.csv_layout import CSV, CsvListing
 from ddp_cli.data.sources.layouts import KNOWN_LAYOUTS, infer_layout
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
+from ddp_cli.userfiles import parse_toml, read_text, user_path
 
 DRIVERS = ("FileSystem", "S3")
 AUTO = "auto"
@@ -139,10 +139,7 @@ def find_registry(explicit: str | Path | None = None) -> Path:
 
 def load_registry(explicit: str | Path | None = None) -> Registry:
     path = find_registry(explicit)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: TOML syntax error: {e}") from e
+    raw = parse_toml(read_text(path, ConfigError), str(path), ConfigError)
     version = raw.get("data_config_version")
     if type(version) is not int or version not in VERSIONS:  # not `true`, not 1.0
         raise ConfigError(f"{path}: data_config_version must be 0 or 1 (found {version!r})")
@@ -185,7 +182,7 @@ def _parse_entry(path: Path, index: int, item: Any) -> DatasetEntry:
 
 def _expand(value: str, where: str) -> str:
     """`~` and `$VARS`/`${VARS}`; a variable that is not set is an error, not a literal `$X`."""
-    expanded = os.path.expandvars(os.path.expanduser(value))
+    expanded = os.path.expandvars(user_path(value, where))
     missing = re.search(r"\$(\w+|\{\w+\})", expanded)
     if missing:
         raise ConfigError(f"{where}: environment variable {missing.group(0)} is not set; set it or "

@@ -27,6 +27,7 @@ from typing import Any
 
 from ddp_cli.errors import ConfigError, did_you_mean
 from ddp_cli.io import sha256_of
+from ddp_cli.userfiles import user_path
 
 REFERENCE = re.compile(r"(?P<target>[^:]+):(?P<factory>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 MODULE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
@@ -62,7 +63,7 @@ def locate(name: str, folder: Path) -> tuple[str, dict[str, str | None]]:
     directory, whichever holds its top package (None: found on sys.path as it is)."""
     ref = parse(name)
     if ref.is_file:
-        path = (folder / Path(ref.target).expanduser()).resolve()
+        path = (folder / user_path(ref.target, "model.name")).resolve()
         if not path.is_file():
             raise ConfigError(f"model.name: {path}: no such file (a path is relative to the run config's "
                               f"folder, {folder.resolve()})")

@@ -25,9 +25,29 @@ def read_evaluation(path: Path) -> dict[str, Any] | None:
     """One evaluation file, or None when it cannot be read as one (a copy cut short, a stray file)."""
     try:
         evaluation = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    return evaluation if isinstance(evaluation, dict) and "time" in evaluation else None
+    return evaluation if well_formed(evaluation) else None
+
+
+def well_formed(evaluation: Any) -> bool:
+    """Whether `evaluation` holds, with their types, every key the summary and the figure read."""
+    def number(value: Any) -> bool:
+        return type(value) in (int, float)
+
+    if not isinstance(evaluation, dict) or not all(number(evaluation.get(k)) for k in ("time", "top1")):
+        return False
+    if not all(isinstance(evaluation.get(k), str) for k in ("source", "dataset", "split")):
+        return False
+    per_class, confusion = evaluation.get("per_class"), evaluation.get("confusion")
+    if not number(evaluation.get("images")) or not isinstance(per_class, list) or not all(
+            isinstance(c, dict) and type(c.get("index")) is int and number(c.get("images"))
+            and (number(c.get("top1")) or (c.get("top1") is None and not c["images"]))  # no image: no top-1
+            and isinstance(c.get("synset"), str) and isinstance(c.get("description"), str)
+            for c in per_class):
+        return False
+    return confusion is None or (isinstance(confusion, list) and len(confusion) == len(per_class) and all(
+        isinstance(row, list) and len(row) == len(per_class) and all(map(number, row)) for row in confusion))
 
 
 def latest_evaluation(run_dir: Path) -> dict[str, Any] | None:

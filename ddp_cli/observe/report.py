@@ -5,6 +5,7 @@ The per-class picture beside it is ddp_cli/observe/classes.py's.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -69,7 +70,7 @@ def figure(run_dir: Path):
     acc_ax.xaxis.get_major_locator().set_params(integer=True)
     lr_ax.plot(steps, [r["lr"] for r in train])
     lr_ax.set(title="learning rate", xlabel="step")
-    speed_ax.plot(steps, [r["images_per_second"] for r in train])
+    speed_ax.plot(steps, [r.get("images_per_second", math.nan) for r in train])
     speed_ax.set(title="training images/s (all ranks)", xlabel="step", ylim=(0, None))
     for ax in (loss_ax, acc_ax):
         ax.legend()

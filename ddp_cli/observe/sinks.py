@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ddp_cli.config import LoggingConfig
-from ddp_cli.errors import require_extra
+from ddp_cli.errors import DataError, require_extra
 from ddp_cli.io import writing
+from ddp_cli.userfiles import read_text
 
 CSV_COLUMNS = ("time", "epoch", "step", "split", "loss", "top1", "top5", "lr", "images_per_second",
                "skipped_images", "images")
@@ -146,12 +147,31 @@ def build_sinks(cfg: LoggingConfig, run_dir: Path, config: dict[str, Any]) -> Si
     return Sinks(sinks)
 
 
+# what `ddp report` reads of each record of a split: numbers (NaN included: a diverged run logs one);
+# a train record's epoch and images_per_second may be absent, but are numbers where present
+NUMBERS = {"train": ("step", "loss", "lr"), "val": ("epoch", "step", "loss", "top1", "top5")}
+OPTIONAL = ("epoch", "images_per_second")
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Every complete line of a metrics.jsonl (a run still writing may have a partial last one)."""
+    """Every complete line of a metrics.jsonl (a run still writing may have a partial last one, and one
+    killed mid-line and resumed a partial line in the middle): DataError naming the line where a
+    complete one is not a record `ddp report` can read."""
     records = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(read_text(path).splitlines(), 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
             continue
+        if not isinstance(record, dict):
+            raise DataError(f"{path}, line {number}: not a JSON object; metrics.jsonl holds one record "
+                            "a line, as `ddp train` writes it")
+        split = record.get("split")
+        required = NUMBERS.get(split, ()) if isinstance(split, str) else ()
+        for key in (*required, *(k for k in OPTIONAL if k in record and required)):
+            value = record.get(key)
+            if type(value) not in (int, float):
+                raise DataError(f"{path}, line {number}: {key} is {str(value)[:40]!r}, not a number; "
+                                "metrics.jsonl holds one record a line, as `ddp train` writes it")
+        records.append(record)
     return records

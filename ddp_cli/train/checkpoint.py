@@ -108,7 +108,21 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     state = load_plain(path)
     if not is_checkpoint(state):
         raise DataError(f"{path}: not a ddp checkpoint (no format {CHECKPOINT_FORMAT} marker)")
+    wrong = next((k for k, kinds in FIELDS.items()
+                  if k in state and (not isinstance(state[k], kinds) or isinstance(state[k], bool))), None)
+    if wrong is not None:
+        raise DataError(f"{path}: not a ddp checkpoint ({wrong} is a {type(state[wrong]).__name__}); use "
+                        "another checkpoint (--resume auto picks a valid one)")
     return migrate(state, path)
+
+
+# the types of the fields that loading and migrating read, where a checkpoint holds them (none is a bool)
+FIELDS: dict[str, tuple[type, ...]] = {
+    "format_version": (int,), "classes": (list,), "descriptions": (list,),
+    "model": (dict, type(None)), "ema": (dict, type(None)), "final": (dict, type(None)),
+    "final_ema": (dict, type(None)), "dataset": (dict, type(None)), "rng": (list, dict), "running": (list,),
+    "global_batch": (int,), "step_in_epoch": (int,),
+}
 
 
 MANIFEST = ".json"  # sidecar: <checkpoint>.json with sha256, size and position
@@ -126,10 +140,16 @@ def manifest_path(path: Path) -> Path:
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
+    """`path`'s manifest, or None when there is none or it is not one (cut short, altered, another
+    file's): a checkpoint without a manifest that checks out is never trusted."""
     try:
-        return json.loads(manifest_path(path).read_text())
-    except (OSError, ValueError):
+        manifest = json.loads(manifest_path(path).read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    if (isinstance(manifest, dict) and type(manifest.get("sha256")) is str
+            and type(manifest.get("bytes")) is int and type(manifest.get("step", 0)) is int):
+        return manifest
+    return None
 
 
 def verify(path: Path) -> str | None:
@@ -406,7 +426,7 @@ class Checkpointer:
                                 "(--resume PATH) or start afresh (--resume never)")
             try:
                 part.load_state_dict(state[name])
-            except (RuntimeError, ValueError, KeyError) as e:
+            except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ConfigError(f"resume: {path}: its {name} does not fit this run (another model or "
                                   f"class count? {str(e).strip().splitlines()[0]}); use --resume never "
                                   "or a new --run-dir") from e

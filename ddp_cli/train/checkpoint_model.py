@@ -55,10 +55,14 @@ def load_trained(path: str | Path, weights: Weights = "model", cfg: RunConfig | 
     """Read `path` (safely and in the current format, `load_checkpoint`); `cfg` replaces the checkpoint's
     own config."""
     state = load_checkpoint(path)
+    missing = next((key for key in ("config", "classes", "descriptions") if key not in state), None)
+    if missing or not all(isinstance(name, str) for name in [*state["classes"], *state["descriptions"]]):
+        raise DataError(f"{path}: holds {f'no {missing}' if missing else 'classes that are not names'}; give "
+                        "a checkpoint from <run>/checkpoints/")
     cfg = (cfg or config_from_dict(state["config"], str(path))).resolved(
         {"model.weights": None}, str(path))  # the checkpoint's weights are used, not the run's start
     if weights == "ema":
-        if not state.get("ema"):
+        if not state.get("ema") or not isinstance(state["ema"].get("module"), dict):
             raise ConfigError(f"--weights ema: {path} holds no EMA weights (the run had "
                               "train.ema_decay = 0); use --weights model, or train with train.ema_decay")
         tensors, final = state["ema"]["module"], state.get("final_ema") or {}

@@ -261,7 +261,7 @@ def test_a_listing_in_another_encoding_is_a_data_error_not_a_traceback(listed):
     rows[0]["label"] = "zébra"
     write_listing(root / "labels.csv", rows)
     (root / "labels.csv").write_bytes((root / "labels.csv").read_text().encode("latin-1"))
-    with pytest.raises(DataError, match=rf"^{root}/labels.csv: not UTF-8 text \(byte 0xe9 at offset \d+\); "
+    with pytest.raises(DataError, match=rf"^{root}/labels.csv: not UTF-8 text: byte 0xe9 at offset \d+; "
                                         "save it as UTF-8$") as info:
         index(root)
     assert info.value.exit_code == 3

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ddp_cli"
 # bottom to top; each entry is one layer of sibling groups (a module belongs to its longest prefix)
 LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli", "ddp_cli.errors", "ddp_cli.fastexit"),
-    ("ddp_cli.io",),
+    ("ddp_cli.io", "ddp_cli.userfiles"),
     ("ddp_cli.user_model", "ddp_cli.timm_model"),
     ("ddp_cli.config", "ddp_cli.starter"),
     ("ddp_cli.config_view",),

@@ -18,7 +18,6 @@ import io
 import re
 import tarfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -27,9 +26,11 @@ from ddp_cli.data.pack.writer import Destination
 from ddp_cli.data.sources.packed import PackedStrings
 from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
 from ddp_cli.errors import DataError
+from ddp_cli.userfiles import read_text
 
 KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+MAX_LABEL = 6  # digits of a .cls label: up to 999,999 classes (a longer one is no label: skipped)
 
 
 class HashingReader:
@@ -67,8 +68,8 @@ def scan_shard(f: BinaryIO, name: str) -> tuple[ShardInfo, list[tuple[str, str, 
                 if ext in IMAGE_EXTS:
                     images[key] = (member.name, member.offset_data, member.size)
                 elif ext == "cls":
-                    text = tar.extractfile(member).read().decode().strip()
-                    labels[key] = int(text) if text.isdigit() else -1
+                    text = tar.extractfile(member).read(MAX_LABEL + 2).strip()  # a newline may follow
+                    labels[key] = int(text) if text.isdigit() and len(text) <= MAX_LABEL else -1  # ASCII only
     except tarfile.TarError as e:
         raise DataError(f"{name}: not a readable tar ({e})") from e
     reader.drain()
@@ -96,22 +97,24 @@ def index_shards(root: str, splits: dict[str, str], classes_file: str | None,
                             f"--split {name}=GLOB")
     total, done = sum(map(len, found.values())), 0
     infos: dict[str, SplitInfo] = {}
-    highest = -1
+    highest, highest_in = -1, ""  # the highest label, and the shard holding it
     for name, shards in found.items():
         rows, shard_infos, skipped = [], [], []
         for j, shard in enumerate(shards):
             with dest.fs.open(f"{dest.root}/{shard}", "rb") as f:
                 info, samples, bad = scan_shard(f, shard)
             rows += [(j, *sample) for sample in samples]
+            top = max((sample[-1] for sample in samples), default=-1)
+            if top > highest:
+                highest, highest_in = top, shard
             shard_infos.append(info)
             skipped += bad
             done += 1
             if progress:
                 progress(done, total)
         infos[name] = SplitInfo(len(rows), shard_infos, skipped)
-        highest = max([highest, *(row[-1] for row in rows)])
         dest.write(samples_name(name), _samples_bytes(rows))
-    synsets = _class_names(classes_file, highest + 1)
+    synsets = _class_names(classes_file, highest + 1, highest_in)
     index = ShardsIndex(synsets, list(synsets), infos, source={"written_by": "webdataset", "root": dest.url})
     dest.write(INDEX, index.to_json().encode())
     dest.clear_work([])
@@ -120,12 +123,12 @@ def index_shards(root: str, splits: dict[str, str], classes_file: str | None,
                        for name, info in infos.items()}}
 
 
-def _class_names(classes_file: str | None, count: int) -> list[str]:
+def _class_names(classes_file: str | None, count: int, highest_in: str) -> list[str]:
     if classes_file is None:
         return [str(i) for i in range(count)]
-    names = [line.strip() for line in Path(classes_file).read_text().splitlines() if line.strip()]
+    names = [line.strip() for line in read_text(classes_file).splitlines() if line.strip()]
     if len(names) < count:
-        raise DataError(f"{classes_file}: names {len(names)} classes, but the shards hold labels up to "
+        raise DataError(f"{classes_file}: names {len(names)} classes, but shard {highest_in} holds label "
                         f"{count - 1}; list one name per line for every label")
     return names
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
+import numpy as np
 
 from ddp_cli.data.fetch.parquet_reader import ParquetReader
 from ddp_cli.data.pipeline.images import BadImage, decode
@@ -31,7 +32,7 @@ from ddp_cli.data.sources.csv_layout import CsvListing
 from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.data.sources.shards import read_index
-from ddp_cli.data.sources.table import SPLITS
+from ddp_cli.data.sources.table import SPLITS, IndexTable
 
 CHUNK = 4096  # files in flight at once: a million futures would not fit in memory
 
@@ -53,7 +54,7 @@ def check_dataset(
     called as files are checked."""
     started = time.perf_counter()
     index = build_index(fs, root, layout, splits=splits, csv=csv)
-    bad = list(index.problems)
+    bad = list(index.problems) + nothing_to_learn(index, splits)
     if layout == SHARDS:
         bad += check_shards(fs, root, splits)
     rows = [(split, row) for split in splits for row in range(len(index.splits[split]))]
@@ -82,6 +83,18 @@ def check_dataset(
         "bad_files": sorted(bad, key=lambda b: b["path"]),
         "seconds": time.perf_counter() - started,
     }
+
+
+def nothing_to_learn(index: IndexTable, splits: tuple[str, ...]) -> list[dict[str, str]]:
+    """A split without an image, and a class without a train image: a data set that cannot train or
+    validate fails the check (as a bad file would) instead of failing training later."""
+    empty = [{"path": f"{split}/", "reason": "empty split: no image to train or validate on"}
+             for split in splits if not len(index.splits[split])]
+    if "train" not in splits or not len(index.splits["train"]):
+        return empty
+    seen = set(np.unique(index.splits["train"].labels).tolist())
+    return empty + [{"path": f"train/{name}/", "reason": "class without a train image"}
+                    for label, name in enumerate(index.classes) if label not in seen]
 
 
 def check_file(reader: Reader, split: Split, row: int) -> str | None:

@@ -8,6 +8,7 @@ folder: one that is absolute or climbs out with `..` is kept as written, so that
 from __future__ import annotations
 
 import codecs
+import contextlib
 import importlib.util
 import io
 import posixpath
@@ -18,6 +19,7 @@ import fsspec
 from ddp_cli.data.fetch.retry import with_retries
 from ddp_cli.data.sources.table import IMAGE_EXTENSIONS
 from ddp_cli.errors import DataError
+from ddp_cli.userfiles import decode
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -31,15 +33,13 @@ def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
 
 
 def read_text(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """UTF-8 text, with or without a byte-order mark, or UTF-16 with one (as spreadsheets save it);
-    any other encoding is a DataError naming the file, not a traceback."""
+    """A data set's text file: UTF-8 (`userfiles.decode`: a BOM dropped; any other encoding a DataError
+    naming the file), or UTF-16 where its byte-order mark says so, as spreadsheets save CSV."""
     data = read_bytes(fs, path)
-    encoding = "utf-16" if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) else "utf-8-sig"
-    try:
-        return data.decode(encoding)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
-                        "save it as UTF-8") from e
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        with contextlib.suppress(UnicodeDecodeError):  # else: refused by `decode`, naming the byte
+            return data.decode("utf-16")
+    return decode(data, path)
 
 
 def read_csv(fs, path: str, columns: tuple[str, ...], fix: str = "") -> pd.DataFrame:

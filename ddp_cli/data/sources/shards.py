@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,9 +28,14 @@ from ddp_cli.data.fetch.retry import with_retries
 from ddp_cli.data.sources.packed import PackedStrings, Split
 from ddp_cli.data.sources.table import IndexTable, select_classes
 from ddp_cli.errors import DataError
+from ddp_cli.userfiles import decode, parse_json
 
 FORMAT, VERSION = "ddp-shards", 1
 INDEX = "index.json"
+# what np.load and its zip reader raise on a file cut short or altered (a zip "version" it does not
+# implement, an "encrypted" flag (RuntimeError), a bad CRC, a header that is no dict, a missing array)
+NOT_AN_NPZ = (ValueError, KeyError, OSError, EOFError, NotImplementedError, RuntimeError, zipfile.BadZipFile,
+              zlib.error)
 
 
 def samples_name(split: str) -> str:
@@ -71,18 +78,48 @@ class ShardsIndex:
 
     @classmethod
     def from_json(cls, text: str, where: str) -> ShardsIndex:
+        raw = parse_json(text, where)
         try:
-            raw = json.loads(text)
-            if raw.get("format") != FORMAT or raw.get("version") != VERSION:
-                raise ValueError(f"format {raw.get('format')!r} version {raw.get('version')!r}")
-            splits = {name: SplitInfo(s["images"], [ShardInfo(**shard) for shard in s["shards"]],
-                                      s.get("skipped", []))
-                      for name, s in raw["splits"].items()}
-            return cls(raw["synsets"], raw["descriptions"], splits, raw.get("source", {}),
-                       raw.get("max_side"), raw.get("quality"))
+            if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
+                found = raw if not isinstance(raw, dict) else f"{raw.get('format')!r} v{raw.get('version')!r}"
+                raise ValueError(f"found {str(found)[:40]}")
+            synsets, descriptions = raw["synsets"], raw["descriptions"]
+            if not (_names(synsets) and _names(descriptions) and len(synsets) == len(descriptions)):
+                raise ValueError("synsets and descriptions must be lists of names, one of each per class")
+            splits = {name: _split_info(s) for name, s in _table(raw["splits"]).items()}
+            return cls(synsets, descriptions, splits, raw.get("source", {}), raw.get("max_side"),
+                       raw.get("quality"))
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{where}: not a {FORMAT} v{VERSION} index ({e}); write it with "
                             "`ddp datasets pack` or `ddp datasets index`") from e
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _table(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a table, found {str(value)[:40]}")
+    return value
+
+
+SHARD_FIELDS = {"name": str, "images": int, "bytes": int, "sha256": str}
+
+
+def _split_info(raw: Any) -> SplitInfo:
+    """One split of index.json, its fields of the types the dataclasses declare (TypeError if not)."""
+    raw = _table(raw)
+    shards = [_table(s) for s in raw["shards"]]
+    if (type(raw["images"]) is not int or not isinstance(raw.get("skipped", []), list)
+            or not all(set(s) == set(SHARD_FIELDS) and all(type(s[k]) is t for k, t in SHARD_FIELDS.items())
+                       for s in shards)):
+        raise TypeError("a split holds images (a number), shards (each: name, images, bytes, sha256) "
+                        "and skipped (a list)")
+    outside = next((s["name"] for s in shards if "/" in s["name"] or s["name"] in ("", ".", "..")), None)
+    if outside is not None:
+        raise ValueError(f"shard {outside!r} is not a file name in the index's folder")
+    return SplitInfo(raw["images"], [ShardInfo(**s) for s in shards], raw.get("skipped", []))
 
 
 @dataclass
@@ -116,8 +153,41 @@ class Samples:
                 strings = {name: PackedStrings(z[f"{name}_data"], z[f"{name}_offsets"])
                            for name in ("key", "member", "path")}
                 return cls(z["shard"], z["offset"], z["size"], z["label"], **strings)
-        except (ValueError, KeyError, OSError) as e:
-            raise DataError(f"{where}: not a samples table ({e}); pack the data set again") from e
+        except NOT_AN_NPZ as e:
+            raise DataError(f"{where}: not a samples table ({type(e).__name__}: {e}); pack the data set "
+                            "again") from e
+
+    def check(self, classes: int, shards: int, where: str) -> None:
+        """DataError naming `where` unless every column is a flat integer array of one length whose
+        values the index can mean: labels of `classes`, rows grouped by `shards` in order, offsets and
+        sizes not negative, strings whose offsets lie in their buffer."""
+        n = len(self.label)
+        columns = {"shard": self.shard, "offset": self.offset, "size": self.size, "label": self.label}
+        for name in ("key", "member", "path"):
+            strings: PackedStrings = getattr(self, name)
+            columns[f"{name}_offsets"], columns[f"{name}_data"] = strings.offsets, strings.data
+        for name, column in columns.items():
+            length = n + 1 if name.endswith("_offsets") else None if name.endswith("_data") else n
+            if column.ndim != 1 or column.dtype.kind not in "iu" or length not in (None, len(column)):
+                raise DataError(f"{where}: column {name} is not a flat array of integers of the right "
+                                "length; pack the data set again")
+        problem = self._problem(classes, shards)
+        if problem:
+            raise DataError(f"{where}: {problem}; pack the data set again")
+
+    def _problem(self, classes: int, shards: int) -> str | None:
+        if len(self) and not 0 <= self.label.min() <= self.label.max() < classes:
+            return f"a label outside the {classes} classes {INDEX} lists"
+        if len(self) and (self.shard.min() < 0 or self.shard.max() >= shards
+                          or np.any(np.diff(self.shard) < 0)):
+            return f"a shard outside the {shards} shards {INDEX} lists, or rows not grouped by shard"
+        if len(self) and min(self.offset.min(), self.size.min()) < 0:
+            return "a negative offset or size"
+        for name in ("key", "member", "path"):
+            offsets, data = getattr(self, name).offsets, getattr(self, name).data
+            if offsets[0] != 0 or offsets[-1] > len(data) or np.any(np.diff(offsets) < 0):
+                return f"{name} offsets outside its strings"
+        return None
 
     def starts(self, shards: int) -> np.ndarray:
         """The first row of each of `shards` shards, then len(self)."""
@@ -128,11 +198,11 @@ def read_index(fs: fsspec.AbstractFileSystem, root: str) -> ShardsIndex:
     """`root/index.json`; DataError naming it when absent or not an index."""
     where = f"{root.rstrip('/')}/{INDEX}"
     try:
-        text = with_retries(lambda: fs.cat_file(where), where).decode()
+        data = with_retries(lambda: fs.cat_file(where), where)
     except FileNotFoundError as e:
         raise DataError(f"{where}: missing; a shards root is written by `ddp datasets pack` (or indexed "
                         "by `ddp datasets index` for webdataset shards)") from e
-    return ShardsIndex.from_json(text, where)
+    return ShardsIndex.from_json(decode(data, where), where)
 
 
 def read_samples(fs: fsspec.AbstractFileSystem, root: str, split: str) -> Samples:
@@ -159,6 +229,7 @@ def shards_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[s
             raise DataError(f"{root}/{INDEX}: no {name} split (it holds {', '.join(meta.splits)}); pack "
                             "it with `ddp datasets pack ... --split all`")
         info, samples = meta.splits[name], read_samples(fs, root, name)
+        samples.check(len(meta.synsets), len(info.shards), f"{root}/{samples_name(name)}")
         labels = relabel[samples.label]
         chosen = np.flatnonzero(labels >= 0)
         shard_names = [s.name for s in info.shards]
