@@ -187,6 +187,29 @@ def report_files() -> dict[str, bytes]:
             "result.json": json.dumps({"top1": 0.9}).encode()}
 
 
+# ---- the table layouts: a csv listing, Hugging Face Parquet and its class names ----
+
+def csv_files() -> dict[str, bytes]:
+    return {"labels.csv": (b"path,label,split\nimages/a.png,cat,train\nimages/b.png,dog,train\n"
+                           b"images/c.png,cat,val\nimages/d.png,dog,val\n")}
+
+
+@functools.cache
+def parquet_files() -> dict[str, bytes]:
+    """A hub-style Parquet data set (two files a split, groups of 2 rows), its README's class names and
+    a dataset_info.json naming the same classes."""
+    import tempfile
+
+    from synthetic import write_hf_parquet
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_hf_parquet(root, {"train": 4, "validation": 2}, classes=2, row_group=2, size=8)
+        (root / "dataset_info.json").write_text(json.dumps(
+            {"features": {"label": {"_type": "ClassLabel", "names": ["class 0", "class 1"]}}}))
+        return {str(f.relative_to(root)): f.read_bytes() for f in root.rglob("*") if f.is_file()}
+
+
 TARGETS: list[Target] = [
     Target("config", config_files, "run.toml", lambda root: load_config(root / "run.toml")),
     Target("registry-v1", registry_v1, "data.toml", read_registry("data.toml")),
@@ -204,5 +227,9 @@ TARGETS: list[Target] = [
            names="step-000000003.pt"),
     Target("report-metrics", report_files, "metrics.jsonl", summarize),
     Target("report-evaluation", report_files, "evaluation.json", summarize),
+    Target("csv-listing", csv_files, "labels.csv", read_layout("csv")),
+    Target("parquet-file", parquet_files, "data/train-00000-of-00002.parquet", read_layout("parquet")),
+    Target("parquet-readme", parquet_files, "README.md", read_layout("parquet")),
+    Target("parquet-dataset-info", parquet_files, "dataset_info.json", read_layout("parquet")),
 ]
 BY_NAME = {t.name: t for t in TARGETS}

@@ -35,7 +35,7 @@ from ddp_cli.data.fetch.retry import with_retries
 from ddp_cli.data.fetch.storage import UNSAFE_PATH, escapes
 from ddp_cli.data.sources.packed import PARQUET, Split
 from ddp_cli.data.sources.table import IndexTable, select_classes
-from ddp_cli.errors import DataError
+from ddp_cli.errors import DataError, require_extra
 
 SPLIT_OF = {"train": "train", "validation": "val", "valid": "val", "val": "val", "test": "test"}
 SPLIT_NAME = re.compile(r"^(train|validation|valid|val|test)(?:[-_.].*)?$")
@@ -79,12 +79,23 @@ class FileRows:
 
 def read_rows(fs: fsspec.AbstractFileSystem, root: str, file: str, label: str) -> FileRows:
     """`file`'s row groups and labels (the label column alone: no image is read); DataError naming the
-    file and the column when a column is missing."""
+    file and the column when a column is missing, or the file when it is no readable Parquet (cut
+    short, corrupted: pyarrow's OSError or ArrowException, found by the fuzz suite)."""
     where = f"{root}/{file}"
+    require_extra("parquet", f"{where}: layout parquet")
+    import pyarrow as pa
+
     try:
-        parquet = with_retries(lambda: open_parquet(fs, where), where)
+        return file_rows(with_retries(lambda: open_parquet(fs, where), where), where, label)
     except FileNotFoundError as e:
         raise DataError(f"{where}: missing (listed a moment ago); check the root") from e
+    except (OSError, pa.ArrowException) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{where}: not a readable Parquet file ({first}); fetch it again") from e
+
+
+def file_rows(parquet: Any, where: str, label: str) -> FileRows:
+    """`read_rows` of the opened file."""
     schema = parquet.schema_arrow
     image, names = image_column(schema), ", ".join(schema.names)
     if image is None:
