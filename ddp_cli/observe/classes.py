@@ -176,7 +176,12 @@ def plot(run_dir: Path, out: Path) -> Path | None:
     evaluation = latest_evaluation(run_dir)
     if evaluation is None:
         return None
-    fig = figure(evaluation, run_dir.name)
+    return save_figure(figure(evaluation, run_dir.name), out)
+
+
+def save_figure(fig: Any, out: Path) -> Path:
+    """`fig` written to `out` (a refused write: exit 6, `io.writing`) and closed whatever happened; the
+    report's pictures, this one and `report.plot`'s, are saved so."""
     import matplotlib.pyplot as plt
 
     try:

@@ -11,7 +11,6 @@ from statistics import median
 from typing import Any
 
 from ddp_cli.errors import ConfigError, require_extra
-from ddp_cli.io import writing
 from ddp_cli.observe import classes
 from ddp_cli.observe.sinks import read_metrics
 
@@ -86,13 +85,4 @@ def classes_png(out: Path) -> Path:
 
 
 def plot(run_dir: Path, out: Path) -> Path:
-    fig = figure(run_dir)
-    import matplotlib.pyplot as plt
-
-    try:
-        with writing(out):
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(out, dpi=110)
-    finally:
-        plt.close(fig)
-    return out
+    return classes.save_figure(figure(run_dir), out)
