@@ -98,3 +98,51 @@ def test_the_temp_file_is_hidden_beside_the_target(tmp_path):
     seen = []
     io.atomic_write(path, lambda f: seen.extend(os.listdir(tmp_path)))
     assert len(seen) == 1 and seen[0].startswith(".f.bin.") and seen[0].endswith(".tmp")
+
+
+def test_a_checkpoint_of_another_pickle_protocol_is_refused_in_one_line_without_torchs_warning(tmp_path):
+    """torch warns about an unusual pickle protocol above the error: the error alone says it."""
+    import warnings
+
+    path = tmp_path / "p4.pt"
+    torch.save({"w": torch.ones(2)}, path, pickle_protocol=4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(DataError, match=f"^{path}: refused, it holds more than plain data"):
+            io.load_plain(path)
+    assert [str(w.message) for w in seen] == []
+
+
+@pytest.mark.parametrize(("size", "words"), [
+    (0, "0 B"), (999, "999 B"), (1000, "1.0 kB"), (12_345, "12.3 kB"), (3_100_000, "3.1 MB"),
+    (10**9 - 1, "1000.0 MB"), (10**9, "1.0 GB"), (2_500_000_000, "2.5 GB"), (10**12, "1.0 TB"),
+    (4_200_000_000_000, "4.2 TB"),
+])
+def test_sizes_read_as_a_person_reads_them(size, words):
+    assert io.size_words(size) == words
+
+
+def test_a_full_disk_names_the_folder_of_the_file_the_error_names_and_the_room(tmp_path):
+    """The folder whose disk is full is the written file's (the OSError's own file name first), its
+    parent where the file exists, with the bytes needed and free."""
+    import errno
+
+    target = tmp_path / "ckpt" / "step.pt"
+    target.parent.mkdir()
+    target.write_bytes(b"x")
+    error = OSError(errno.ENOSPC, "No space left on device", str(target))
+    words = io.cause(errno.ENOSPC, "", error, 2_500_000)
+    assert words.startswith(f"no space left on the device holding {target.parent}: 2.5 MB needed, ")
+    assert words.endswith(" free")
+
+
+def test_a_uid_without_a_name_is_shown_as_its_number():
+    assert io.owner(2**31 - 7) == str(2**31 - 7)
+
+
+def test_a_permission_error_keeps_its_own_errno_and_one_without_counts_as_eacces():
+    import errno
+
+    assert io.refusal(PermissionError(errno.EPERM, "Operation not permitted"), frozenset(io.REFUSALS))[0] == \
+        errno.EPERM
+    assert io.refusal(PermissionError("Access Denied"), frozenset(io.REFUSALS))[0] == errno.EACCES
