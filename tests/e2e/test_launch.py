@@ -11,7 +11,7 @@ from conftest import last_json, run_ddp
 from ddp_cli.run.loopback import free_port
 
 SMALL = ["--set", "train.epochs=1", "--set", "train.max_steps_per_epoch=5", "--set", "data.workers=0",
-         "--set", "distributed.rdzv_timeout_s=8"]
+         "--set", "data.image_size=8", "--set", "data.val_resize=8", "--set", "distributed.rdzv_timeout_s=8"]
 
 
 def test_a_busy_rendezvous_port_is_a_usage_error(demo_registry, tmp_path):

@@ -381,7 +381,9 @@ def test_a_batch_of_s3_objects_is_read_together_and_loads_as_one_by_one(s3_regis
         one_by_one = [items()[item] for item in batch]
         peak_before = proxy.counts.peak_in_flight
         together = items().__getitems__(batch)
-        assert 8 >= proxy.counts.peak_in_flight >= 2 > peak_before  # one at a time, then io_concurrency
+        # one at a time (a request answered may still be closing at the proxy as the next one starts,
+        # so 2 at most), then io_concurrency's 8 at once (30 ms each: well over 2 of them overlap)
+        assert 8 >= proxy.counts.peak_in_flight >= 3 > 2 >= peak_before
         for a, b in zip(together, one_by_one, strict=True):
             assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
         assert any(item[2] or item[3] for item in together)  # the planted truncated file met either way
