@@ -125,7 +125,7 @@ def train(
     """
     flags = commands.LaunchFlags(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, max_restarts,
                                  standalone, master_addr, master_port)
-    run_dir = commands.local_folder(run_dir, "--run-dir")
+    run_dir = commands.run_location(run_dir, "--run-dir")
     if dry_run:
         plan = commands.dry_run(config, set_ or [], registry, flags, resume)
         emit(plan, as_json, lambda: render.print_mapping("plan", plan))
