@@ -32,7 +32,7 @@ from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.shards import describe as describe_shards
 from ddp_cli.data.sources.shards import read_index
 from ddp_cli.data.sources.table import IndexTable
-from ddp_cli.errors import PEER_LOST, ConfigError, DdpError, PeerLost, WorkerFailed
+from ddp_cli.errors import PEER_LOST, ConfigError, DataError, DdpError, PeerLost, WorkerFailed
 from ddp_cli.index_build import IndexBuild, resolve_dataset
 from ddp_cli.io import writing
 from ddp_cli.observe import classes
@@ -115,7 +115,7 @@ def run_location(path: Path | None, flag: str) -> Path | str | None:
     them while its user believes it is remote."""
     text = str(path) if path is not None else ""
     if re.match(r"s3:/", text):
-        return re.sub(r"^s3:/+", "s3://", text)
+        return RunBucket(re.sub(r"^s3:/+", "s3://", text)).url  # checked: a bucket and a prefix
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", text):
         url = re.sub(r"^([^:]+):/+", r"\1://", text)
         raise ConfigError(f"{flag} {url}: ddp writes runs to a folder or to s3://BUCKET/PREFIX/NAME; give "
@@ -517,7 +517,9 @@ def report_from_bucket(bucket: RunBucket, out: Path | None) -> dict[str, Any]:
     """`ddp report s3://...`: the run's files downloaded to a temporary folder and drawn there; the
     pictures uploaded beside the run (report.png, as a local run gets it), or written to `out`."""
     with tempfile.TemporaryDirectory(prefix="ddp-report-") as tmp:
-        folder = bucket.download_files(Path(tmp) / "run")
+        folder = Path(tmp) / "run"
+        if not bucket.download_files(folder):
+            raise DataError(f"{bucket.url}: no run there (no files under it); give the --run-dir of a run")
         summary = report(folder, out)
         if out is None:
             for picture in sorted(folder.glob("report*.png")):

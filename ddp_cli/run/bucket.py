@@ -75,6 +75,10 @@ class RunBucket:
         """Upload `local` as `name`: one PUT (or multipart upload), so the object appears whole or not."""
         self.call(lambda: self.fs.put_file(str(local), self.key(name)), name)
 
+    def write(self, name: str, data: bytes) -> None:
+        """`data` as the object `name`, in one PUT."""
+        self.call(lambda: self.fs.pipe_file(self.key(name), data), name)
+
     def copy(self, source: str, name: str) -> None:
         """`source`'s object copied to `name` inside the bucket (no bytes through the node)."""
         self.call(lambda: self.fs.copy(self.key(source), self.key(name)), name)
@@ -109,15 +113,13 @@ class RunBucket:
         base = self.key("")
         return sorted(path.removeprefix(base) for path in found if path.startswith(base))
 
-    def download_files(self, folder: Path) -> Path:
+    def download_files(self, folder: Path) -> list[str]:
         """The run's files but its checkpoints and index, downloaded into `folder` (what `ddp report`
-        draws, and what a resumed run goes on writing); DataError when the bucket holds no run there."""
+        draws, and what a resumed run goes on writing); their names."""
         names = [name for name in self.names() if name.split("/")[0] not in NOT_MIRRORED]
-        if not names:
-            raise DataError(f"{self.url}: no run there (no files under it); give the --run-dir of a run")
         for name in names:
             self.get(name, folder / name)
-        return folder
+        return names
 
     def call(self, call: Callable[[], T], name: str) -> T:
         """`call()`: transient errors retried (`policy`), the rest one DataError naming the object;

@@ -19,10 +19,12 @@ checkpoint that is complete in the bucket.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
 from ddp_cli.errors import DataError
@@ -46,6 +48,11 @@ def upload_files(bucket: RunBucket, folder: Path, sent: dict[str, tuple[int, int
                 sent[name] = (stat.st_size, stat.st_mtime_ns)
         except FileNotFoundError:  # gone since the listing (a file replaced by its next version)
             continue
+
+
+def renamed(manifest: bytes, alias: Path) -> bytes:
+    """A checkpoint's manifest as its alias's (`write_manifest` names the file it describes)."""
+    return json.dumps({**json.loads(manifest), "file": alias.name}).encode()
 
 
 class BucketMirror:
@@ -86,14 +93,24 @@ class BucketMirror:
     def _checkpoint(self, path: Path, aliases: list[Path]) -> None:
         name = self._name(path)
         try:
+            manifest = manifest_path(path).read_bytes()
             self.bucket.put(path, name)
-            self.bucket.put(manifest_path(path), self._name(manifest_path(path)))  # now it counts
-        except FileNotFoundError:  # pruned here before its turn came: its removal is queued next
+        except FileNotFoundError:  # pruned here before its turn came (its removal is queued next)
+            self._aliases_as_they_are(aliases)
             return
+        self.bucket.write(self._name(manifest_path(path)), manifest)  # now it counts
         self.safe = self.bucket.url_of(name)
-        for alias in aliases:
+        for alias in aliases:  # a copy of the object, and the manifest of that very object
             self.bucket.copy(name, self._name(alias))
-            self.bucket.put(manifest_path(alias), self._name(manifest_path(alias)))
+            self.bucket.write(self._name(manifest_path(alias)), renamed(manifest, alias))
+
+    def _aliases_as_they_are(self, aliases: list[Path]) -> None:
+        """The aliases' files uploaded as they are here now (a newer save may have replaced one between
+        its file and its manifest: resuming checks the sha256 and skips such a pair)."""
+        for alias in aliases:
+            with suppress(FileNotFoundError):
+                self.bucket.put(alias, self._name(alias))
+                self.bucket.put(manifest_path(alias), self._name(manifest_path(alias)))
 
     def _remove(self, path: Path) -> None:
         self.bucket.remove(self._name(manifest_path(path)))  # no longer a checkpoint, then no object

@@ -27,8 +27,8 @@ def stage(bucket: RunBucket, folder: Path, resume: str) -> None:
     (metrics.jsonl goes on from the bucket's), and with "auto" its newest valid checkpoint."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    found = bucket.names()  # and the bucket checked, before any worker starts
-    if resume == "never" or not found:
+    bucket.fs  # noqa: B018 - the bucket checked before any worker starts
+    if resume == "never":
         return
     bucket.download_files(folder)
     if resume == "auto":
