@@ -143,7 +143,7 @@ def prepare_run(run: Preflight, run_dir: Path | str | None, quiet: bool) -> Path
     bucket, its staging folder, emptied and filled from the bucket (`pull.stage`)."""
     from ddp_cli.preflight import warn_if_disk_short
 
-    bucket = run_dir if isinstance(run_dir, str) else None
+    bucket = bucket_of(run_dir)
     if bucket:
         from ddp_cli.run.pull import stage
 
@@ -158,23 +158,25 @@ def prepare_run(run: Preflight, run_dir: Path | str | None, quiet: bool) -> Path
 def published(result: dict[str, Any], run_dir: Path | str | None, folder: Path) -> dict[str, Any]:
     """`result` of a run dir in a bucket: its files uploaded a last time (rank logs, result.json: what
     the workers wrote after their last upload), and its places named in the bucket."""
-    if not isinstance(run_dir, str):
+    bucket = bucket_of(run_dir)
+    if not bucket:
         return result
     from ddp_cli.run.mirror import upload_files
 
-    upload_files(RunBucket(run_dir), folder, {})
-    return {**result, "run_dir": run_dir, "checkpoint": f"{run_dir}/checkpoints/last.pt"}
+    upload_files(RunBucket(bucket), folder, {})
+    return {**result, "run_dir": bucket, "checkpoint": f"{bucket}/checkpoints/last.pt"}
 
 
 def upload_after_failure(run_dir: Path | str | None, folder: Path) -> None:
     """A failed run's logs and error records to its bucket, where they can be read; an upload that
     fails too is only warned of (the run's own error is the one to show)."""
-    if not isinstance(run_dir, str):
+    bucket = bucket_of(run_dir)
+    if not bucket:
         return
     from ddp_cli.run.mirror import upload_files
 
     try:
-        upload_files(RunBucket(run_dir), folder, {})
+        upload_files(RunBucket(bucket), folder, {})
     except DdpError as e:
         log.warning("warning: the run's logs are only in %s: %s", folder, e)
 
@@ -202,23 +204,30 @@ def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | Non
     except WorkerFailed as e:
         upload_after_failure(run_dir, folder)
         if e.exit_code == PEER_LOST:
-            raise PeerLost(f"{e}; {how_to_go_on(folder)}") from None
+            raise PeerLost(f"{e}; {how_to_go_on(folder, bucket=bucket_of(run_dir))}") from None
         raise
     result = {**read_result(folder), "data_workers": run.loaders.as_dict(), "worker_start": start}
     return published(result, run_dir, folder)
 
 
-def how_to_go_on(folder: Path, argv: list[str] | None = None) -> str:
-    """What is safe after a lost node, and the command that resumes from it."""
+def how_to_go_on(folder: Path, argv: list[str] | None = None, bucket: str | None = None) -> str:
+    """What is safe after a lost node, and the command that resumes from it (from the `bucket`, for a
+    run dir there: what this node staged may not all have reached it)."""
     from ddp_cli.train.checkpoint import CheckpointStore
 
-    newest = CheckpointStore(folder / "checkpoints", 1).latest_valid()
+    newest = None if bucket else CheckpointStore(folder / "checkpoints", 1).latest_valid()
     kept = f"{newest} is the newest valid checkpoint" if newest else "no checkpoint was written yet"
+    kept = f"{bucket} holds every checkpoint uploaded whole" if bucket else kept
     return f"{kept}; to go on, run on every node (each with its own --node-rank): " + \
-        resume_command(sys.argv[1:] if argv is None else argv, folder)
+        resume_command(sys.argv[1:] if argv is None else argv, bucket or folder)
 
 
-def resume_command(argv: list[str], folder: Path) -> str:
+def bucket_of(run_dir: Path | str | None) -> str | None:
+    """The s3:// URL of a run dir in a bucket (`run_location` gives those as strings), else None."""
+    return run_dir if isinstance(run_dir, str) else None
+
+
+def resume_command(argv: list[str], folder: Path | str) -> str:
     """This `ddp` command line, pointed at its run dir with --resume auto (a rerun without --run-dir
     would start a new run dir, and fresh)."""
     kept, skip = [], False

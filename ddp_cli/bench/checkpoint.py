@@ -18,6 +18,7 @@ the writer). Ratios are against the mean normal step of the same mode.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import tempfile
@@ -113,6 +114,7 @@ def loopback_s3() -> Iterator[bool]:
     except ImportError:
         yield False
         return
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request on stderr
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

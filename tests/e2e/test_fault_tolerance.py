@@ -79,7 +79,7 @@ EVERY_METHOD = ("GET", "PUT", "HEAD", "DELETE", "POST")
 
 def test_a_run_in_a_bucket_killed_resumes_on_an_empty_disk_from_the_bucket_alone_identical_and_is_drawn(
         demo_registry, s3_endpoint, aws, tmp_path, uninterrupted):
-    """Through a proxy failing 5% of all requests: SIGKILL once step 10 is in the bucket, then a fresh
+    """Through a proxy failing 5% of all requests: SIGKILL once step 5 is in the bucket, then a fresh
     process with an empty staging folder resumes from the bucket and ends where the unbroken run ends;
     no file in the bucket or on either node's disk holds the secret key; `ddp report` draws the run."""
     from ddp_cli.bench.faultproxy import FaultProxy, Faults
@@ -94,7 +94,7 @@ def test_a_run_in_a_bucket_killed_resumes_on_an_empty_disk_from_the_bucket_alone
         env = {**ENV, "AWS_ENDPOINT_URL": proxy.url}
         run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir", url,
                       *EXACT, *args, env={**env, "DDP_STAGING_DIR": str(tmp_path / "node-a")})
-        landed = f"{RUNS}/runs/demo/checkpoints/step-000000010.pt.json"
+        landed = f"{RUNS}/runs/demo/checkpoints/step-000000005.pt.json"
         deadline = time.monotonic() + 120
         while not fs.exists(landed) and run.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -114,6 +114,7 @@ def test_a_run_in_a_bucket_killed_resumes_on_an_empty_disk_from_the_bucket_alone
     stored = {key: fs.cat_file(key) for key in fs.find(RUNS)}
     local = {p: p.read_bytes() for p in tmp_path.glob("node-*/**/*") if p.is_file()}
     assert local and all(SECRET.encode() not in data for data in [*stored.values(), *local.values()])
+    assert SECRET not in run.stderr + resumed.stderr + resumed.stdout
     aws.setenv("AWS_ENDPOINT_URL", s3_endpoint)
     drawn = last_json(ddp_in_process("report", url, "--json"))
     fs.invalidate_cache()
