@@ -99,6 +99,8 @@ def train(config: Path, overrides: list[str], registry: str | None, run_dir: Pat
     """`ddp train`: the result of the run (empty on the ranks but 0 of an external torchrun)."""
     resume = local_checkpoint(resume, "--resume") if resume.startswith("s3:/") else resume
     with indexed(config, overrides, registry) as (cfg, build):
+        configured = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        run_dir = run_dir or run_location(configured, "checkpoint.dir")
         return launch_training(cfg, build, run_dir, flags.options(), resume, quiet)
 
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import KEY, SECRET
+from conftest import KEY, REPO, SECRET
 
 from ddp_cli.bench.faultproxy import FaultProxy, Faults
 from ddp_cli.data.fetch.retry import IoPolicy
-from ddp_cli.errors import DataError
+from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.run.bucket import RunBucket
 from ddp_cli.run.mirror import BucketMirror
 from ddp_cli.run.pull import fetch_checkpoint, stage
@@ -163,3 +164,30 @@ def test_an_upload_that_keeps_failing_ends_the_run_naming_it_and_the_last_safe_c
     stage(RunBucket(run_url), tmp_path / "resume", "auto")
     assert sorted(p.name for p in (tmp_path / "resume/checkpoints").iterdir()) == [
         "step-000000001.pt", "step-000000001.pt.json"]  # never step 3, uploaded after the failure
+
+
+@pytest.mark.parametrize(("flag", "configured", "expected"), [
+    (None, "s3://b/runs/x", "s3://b/runs/x"), (None, "elsewhere/x", Path("elsewhere/x")),
+    (Path("mine"), "s3://b/runs/x", Path("mine")), (None, None, None), (None, "gs://b/r", ConfigError)])
+def test_checkpoint_dir_is_the_run_dir_where_no_flag_gives_one(flag, configured, expected, monkeypatch):
+    from contextlib import contextmanager
+
+    from ddp_cli import commands
+    from ddp_cli.config import load_config
+
+    @contextmanager
+    def indexed(config, overrides, registry):
+        yield load_config(config, overrides), None
+
+    seen = []
+    monkeypatch.setattr(commands, "indexed", indexed)
+    monkeypatch.setattr(commands, "launch_training", lambda cfg, build, run_dir, *rest: seen.append(run_dir))
+    sets = [f"checkpoint.dir={configured}"] if configured else []
+    train = lambda: commands.train(REPO / "configs/demo.toml", sets, None, flag,  # noqa: E731
+                                   commands.LaunchFlags(), "auto", True)
+    if expected is ConfigError:
+        with pytest.raises(ConfigError, match="checkpoint.dir gs://b/r: ddp writes runs to a folder or"):
+            train()
+    else:
+        train()
+        assert seen == [expected]
