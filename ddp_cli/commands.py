@@ -157,15 +157,18 @@ def prepare_run(run: Preflight, run_dir: Path | str | None, quiet: bool) -> Path
     return folder
 
 
-def published(result: dict[str, Any], run_dir: Path | str | None, folder: Path) -> dict[str, Any]:
+def published(result: dict[str, Any], run_dir: Path | str | None, folder: Path,
+              node_rank: int = 0) -> dict[str, Any]:
     """`result` of a run dir in a bucket: its files uploaded a last time (rank logs, result.json: what
-    the workers wrote after their last upload), and its places named in the bucket."""
+    the workers wrote after their last upload; from another node than rank 0's, its ranks' logs only),
+    and its places named in the bucket."""
     bucket = bucket_of(run_dir)
     if not bucket:
         return result
+    from ddp_cli.run.bucket import PER_RANK
     from ddp_cli.run.mirror import upload_files
 
-    upload_files(RunBucket(bucket), folder, {})
+    upload_files(RunBucket(bucket), folder, {}, PER_RANK if node_rank else ())
     return {**result, "run_dir": bucket, "checkpoint": f"{bucket}/checkpoints/last.pt"}
 
 
@@ -175,10 +178,11 @@ def upload_after_failure(run_dir: Path | str | None, folder: Path) -> None:
     bucket = bucket_of(run_dir)
     if not bucket:
         return
+    from ddp_cli.run.bucket import PER_RANK
     from ddp_cli.run.mirror import upload_files
 
     try:
-        upload_files(RunBucket(bucket), folder, {})
+        upload_files(RunBucket(bucket), folder, {}, PER_RANK)
     except DdpError as e:
         log.warning("warning: the run's logs are only in %s: %s", folder, e)
 
@@ -209,7 +213,7 @@ def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | Non
             raise PeerLost(f"{e}; {how_to_go_on(folder, bucket=bucket_of(run_dir))}") from None
         raise
     result = {**read_result(folder), "data_workers": run.loaders.as_dict(), "worker_start": start}
-    return published(result, run_dir, folder)
+    return published(result, run_dir, folder, opts.node_rank)
 
 
 def how_to_go_on(folder: Path, argv: list[str] | None = None, bucket: str | None = None) -> str:

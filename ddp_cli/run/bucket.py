@@ -27,6 +27,7 @@ from ddp_cli.io import writing
 T = TypeVar("T")
 SCHEME = "s3://"
 NOT_MIRRORED = ("checkpoints", "index")  # checkpoints go in their own order; the index is rebuilt at launch
+PER_RANK = ("logs", "errors")  # what every node has of its own ranks (the rest is rank 0's)
 STAGING_ENV = "DDP_STAGING_DIR"  # where node-local staging folders go (default: the temp folder's)
 
 

@@ -34,12 +34,15 @@ from ddp_cli.train.checkpoint import manifest_path
 log = logging.getLogger("ddp")
 
 
-def upload_files(bucket: RunBucket, folder: Path, sent: dict[str, tuple[int, int]]) -> None:
-    """Upload every file of `folder` but its checkpoints and index that changed since `sent` says (its
-    (size, mtime) at the last upload, updated here)."""
+def upload_files(bucket: RunBucket, folder: Path, sent: dict[str, tuple[int, int]],
+                 only: tuple[str, ...] = ()) -> None:
+    """Upload every file of `folder` (or of its folders `only`) but its checkpoints and index that changed
+    since `sent` says (its (size, mtime) at the last upload, updated here)."""
     for path in sorted(folder.rglob("*")):
         name = path.relative_to(folder).as_posix()
-        if not path.is_file() or name.split("/")[0] in NOT_MIRRORED or path.name.startswith("."):
+        top = name.split("/")[0]
+        skipped = top in NOT_MIRRORED or path.name.startswith(".") or (only and top not in only)
+        if skipped or not path.is_file():
             continue
         try:
             stat = path.stat()

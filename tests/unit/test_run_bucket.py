@@ -15,8 +15,8 @@ from conftest import KEY, REPO, SECRET
 from ddp_cli.bench.faultproxy import FaultProxy, Faults
 from ddp_cli.data.fetch.retry import IoPolicy
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.run.bucket import RunBucket
-from ddp_cli.run.mirror import BucketMirror
+from ddp_cli.run.bucket import PER_RANK, RunBucket
+from ddp_cli.run.mirror import BucketMirror, upload_files
 from ddp_cli.run.pull import fetch_checkpoint, stage
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
 
@@ -164,6 +164,16 @@ def test_an_upload_that_keeps_failing_ends_the_run_naming_it_and_the_last_safe_c
     stage(RunBucket(run_url), tmp_path / "resume", "auto")
     assert sorted(p.name for p in (tmp_path / "resume/checkpoints").iterdir()) == [
         "step-000000001.pt", "step-000000001.pt.json"]  # never step 3, uploaded after the failure
+
+
+def test_a_node_other_than_rank_0s_uploads_its_ranks_logs_only(run_url, tmp_path):
+    """Its metrics.jsonl is the copy it downloaded at start: uploaded, it would undo rank 0's."""
+    folder = tmp_path / "node-1"
+    for name in ("metrics.jsonl", "result.json", "logs/rank2.stderr.log", "errors/rank3.json"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(name)
+    upload_files(RunBucket(run_url), folder, {}, PER_RANK)
+    assert sorted(contents(run_url)) == ["errors/rank3.json", "logs/rank2.stderr.log"]
 
 
 @pytest.mark.parametrize(("flag", "configured", "expected"), [
