@@ -73,7 +73,7 @@ def test_sigterm_with_every_augmentation_on_checkpoints_then_resume_ends_bit_ide
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
 
 
-RUNS = "ddp-runs"
+RUNS = "ddp-run-dirs"  # not the unit tests' bucket: one server may serve both
 EVERY_METHOD = ("GET", "PUT", "HEAD", "DELETE", "POST")
 
 
