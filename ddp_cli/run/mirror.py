@@ -62,7 +62,7 @@ class BucketMirror:
     """Repeats the checkpoint store's finished writes in the bucket, on a thread of its own."""
 
     def __init__(self, bucket: RunBucket, folder: Path) -> None:
-        self.bucket, self.folder = bucket, folder
+        self.bucket, self.folder, self.url = bucket, folder, bucket.url
         self.safe: str | None = None  # the newest checkpoint complete in the bucket
         self.failure: DataError | None = None
         self.sent: dict[str, tuple[int, int]] = {}

@@ -167,6 +167,7 @@ def verify(path: Path) -> str | None:
 class Mirror(Protocol):
     """Where a store's checkpoints are repeated once final (a run dir in a bucket: run.mirror)."""
 
+    url: str  # the run dir there: what a resume names
     def saved(self, path: Path, aliases: list[Path]) -> None: ...
     def removed(self, path: Path) -> None: ...
     def raise_if_failed(self) -> None: ...
@@ -184,6 +185,10 @@ class CheckpointStore:
 
     def __init__(self, folder: Path, keep_last: int, mirror: Mirror | None = None) -> None:
         self.folder, self.keep_last, self.mirror = folder, keep_last, mirror
+
+    def run_dir(self) -> str:
+        """The run dir a resume names: the bucket's for a mirrored one (the folder is only staging)."""
+        return self.mirror.url if self.mirror else str(self.folder.parent)
 
     def path_for(self, step: int) -> Path:
         return self.folder / f"step-{step:09d}.pt"
@@ -233,7 +238,7 @@ class CheckpointStore:
     def refused(self, error: WriteError) -> WriteError:
         """`error` (a write the storage refused during the run) with the checkpoint to resume from: the
         last one written whole, which a refused write never replaces."""
-        run = self.folder.parent
+        run = self.run_dir()
         try:
             latest = self.latest_valid()
         except OSError:  # a failing device may refuse reading them back too
@@ -380,9 +385,10 @@ class Checkpointer:
             return
         self.wait()
         folder = self.store.folder if self.store else Path("checkpoints")
+        run_dir = self.store.run_dir() if self.store else folder.parent
         raise DdpError(f"stopped by {signal.Signals(self.stopping).name} after step {self.progress.step}, "
                        f"checkpoint {path or folder}; the same command with --run-dir "
-                       f"{folder.parent} resumes it", StopRequest.exit_code(self.stopping))
+                       f"{run_dir} resumes it", StopRequest.exit_code(self.stopping))
 
     def save(self, top1: float | None = None) -> Path | None:
         """A checkpoint of the current step; returns its path on writing ranks.

@@ -201,3 +201,16 @@ def test_checkpoint_dir_is_the_run_dir_where_no_flag_gives_one(flag, configured,
     else:
         train()
         assert seen == [expected]
+
+
+def test_a_stop_names_the_bucket_to_resume_from_not_the_staging_folder(tmp_path):
+    import signal
+    from types import SimpleNamespace
+
+    from ddp_cli.errors import DdpError
+
+    store = CheckpointStore(tmp_path / "checkpoints", 1, SimpleNamespace(url="s3://b/runs/x"))
+    checkpointer = Checkpointer(store)
+    checkpointer.stopping = signal.SIGTERM
+    with pytest.raises(DdpError, match="the same command with --run-dir s3://b/runs/x resumes it"):
+        checkpointer.end_if_stopping(tmp_path / "checkpoints/step-000000005.pt")
