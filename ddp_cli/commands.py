@@ -94,8 +94,7 @@ def indexed(config: Path, overrides: list[str],
 
 
 def train(config: Path, overrides: list[str], registry: str | None, run_dir: Path | str | None,
-          flags: LaunchFlags,
-          resume: str, quiet: bool) -> dict[str, Any]:
+          flags: LaunchFlags, resume: str, quiet: bool) -> dict[str, Any]:
     """`ddp train`: the result of the run (empty on the ranks but 0 of an external torchrun)."""
     resume = local_checkpoint(resume, "--resume") if resume.startswith("s3:/") else resume
     with indexed(config, overrides, registry) as (cfg, build):
