@@ -88,6 +88,10 @@ class RunBucket:
         with suppress(FileNotFoundError):  # gone already: what was wanted
             self.call(lambda: self.fs.rm_file(self.key(name)), name)
 
+    def exists(self, name: str) -> bool:
+        self.fs.invalidate_cache(self.key(name))
+        return self.call(lambda: self.fs.exists(self.key(name)), name)
+
     def read(self, name: str) -> bytes:
         """The object `name`'s bytes; FileNotFoundError if there is none."""
         return self.call(lambda: self.fs.cat_file(self.key(name)), name)

@@ -82,6 +82,8 @@ def fetch_checkpoint(url: str, flag: str = "--checkpoint") -> Path:
     try:
         bucket.get(f"{file}{MANIFEST}", manifest_path(local))
     except FileNotFoundError:
+        if not bucket.exists(file):
+            raise ConfigError(f"{flag} {url}: no such object; give a .pt from RUN/checkpoints/") from None
         raise DataError(f"{flag} {url}: no manifest ({file}{MANIFEST}) beside it in the bucket (an upload "
                         "cut short?); use another checkpoint of the run") from None
     if local.is_file() and verify(local) is None:

@@ -121,6 +121,8 @@ def test_fetch_checkpoint_checks_the_manifest(run_url, tmp_path):
     bucket.put(tmp_path / "run/checkpoints/last.pt", "checkpoints/orphan.pt")
     with pytest.raises(DataError, match="orphan.pt: no manifest"):
         fetch_checkpoint(f"{run_url}/checkpoints/orphan.pt")
+    with pytest.raises(ConfigError, match="nope.pt: no such object"):
+        fetch_checkpoint(f"{run_url}/checkpoints/nope.pt")
     bucket.put(folder / "checkpoints/last.pt.json", "checkpoints/step-000000001.pt")  # its sha256 differs
     with pytest.raises(DataError, match="differs from its manifest"):
         fetch_checkpoint(f"{run_url}/checkpoints/step-000000001.pt")
