@@ -82,7 +82,8 @@ def train(
     set_: SetOpt = None,
     registry: RegistryOpt = None,
     run_dir: Annotated[Path | None, typer.Option(
-        metavar="DIR", help="Run directory (else runs/NAME-YYYYmmdd-HHMMSS).")] = None,
+        metavar="DIR", help="Run directory, or s3://BUCKET/PREFIX/NAME (else runs/NAME-YYYYmmdd-HHMMSS).")]
+    = None,
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", min=1, metavar="N", help="Workers on this node.")] = None,
     nnodes: Annotated[str, typer.Option(
@@ -125,7 +126,7 @@ def train(
     """
     flags = commands.LaunchFlags(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, max_restarts,
                                  standalone, master_addr, master_port)
-    run_dir = commands.local_folder(run_dir, "--run-dir")
+    run_dir = commands.run_location(run_dir, "--run-dir")
     if dry_run:
         plan = commands.dry_run(config, set_ or [], registry, flags, resume)
         emit(plan, as_json, lambda: render.print_mapping("plan", plan))
@@ -376,7 +377,8 @@ def datasets_index(
 
 @command(app)
 def report(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run directory made by `ddp train`.")],
+    run_dir: Annotated[Path, typer.Argument(
+        metavar="RUN_DIR", help="A run directory made by `ddp train` (or its s3://BUCKET/PREFIX/NAME).")],
     out: Annotated[Path | None, typer.Option(
         metavar="FILE.png",
         help="PNG to write (default RUN_DIR/report.png); any per-class one goes beside it, STEM-classes.png.",
@@ -392,6 +394,7 @@ def report(
 
     * `ddp report runs/demo-20261122-023101`
     * `ddp report runs/demo-20261122-023101 --out curves.png --json`
+    * `ddp report s3://my-bucket/runs/demo` (report.png uploaded beside the run)
     """
     summary = commands.report(run_dir, out)
     emit(summary, as_json, lambda: render.print_report(summary))

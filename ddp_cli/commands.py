@@ -11,6 +11,7 @@ torch is loaded (`indexing`). tests/unit/test_cli_startup.py checks.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shlex
@@ -31,13 +32,14 @@ from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.shards import describe as describe_shards
 from ddp_cli.data.sources.shards import read_index
 from ddp_cli.data.sources.table import IndexTable
-from ddp_cli.errors import PEER_LOST, ConfigError, PeerLost, WorkerFailed
+from ddp_cli.errors import PEER_LOST, ConfigError, DataError, DdpError, PeerLost, WorkerFailed
 from ddp_cli.index_build import IndexBuild, resolve_dataset
 from ddp_cli.io import writing
 from ddp_cli.observe import classes
 from ddp_cli.observe.report import classes_png, plot, summarize
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry, load_registry
+from ddp_cli.run.bucket import RunBucket, staging_folder
 from ddp_cli.run.jobs import Job, prepare_job, read_result
 from ddp_cli.starter import write_starter
 from ddp_cli.userfiles import user_path
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     from ddp_cli.preflight import Preflight
     from ddp_cli.run.launch import LaunchOptions
     from ddp_cli.train.checkpoint_model import Trained
+
+log = logging.getLogger("ddp")
 
 __all__ = ["Job"]  # cli.py describes a validate or predict job with it
 
@@ -89,10 +93,13 @@ def indexed(config: Path, overrides: list[str],
         yield cfg, build
 
 
-def train(config: Path, overrides: list[str], registry: str | None, run_dir: Path | None, flags: LaunchFlags,
-          resume: str, quiet: bool) -> dict[str, Any]:
+def train(config: Path, overrides: list[str], registry: str | None, run_dir: Path | str | None,
+          flags: LaunchFlags, resume: str, quiet: bool) -> dict[str, Any]:
     """`ddp train`: the result of the run (empty on the ranks but 0 of an external torchrun)."""
+    resume = local_checkpoint(resume, "--resume") if resume.startswith("s3:/") else resume
     with indexed(config, overrides, registry) as (cfg, build):
+        configured = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        run_dir = run_dir or run_location(configured, "checkpoint.dir")
         return launch_training(cfg, build, run_dir, flags.options(), resume, quiet)
 
 
@@ -103,33 +110,83 @@ def dry_run(config: Path, overrides: list[str], registry: str | None, flags: Lau
         return plan(cfg, build, flags.options(), resume)
 
 
-def local_folder(path: Path | None, flag: str) -> Path | None:
-    """`path` unless it was a URL: a Path keeps `s3://bucket/x` as the local folder `s3:/bucket/x`, and
-    a run would land there while its user believes it is in the bucket. Runs in object storage are
-    refused until they are written there (issue: runs that live in object storage)."""
-    if path is not None and re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(path)):
-        url = re.sub(r"^([^:]+):/+", r"\1://", str(path))
-        raise ConfigError(f"{flag} {url}: ddp writes runs to a local or mounted folder, not to object "
-                          "storage yet; give a folder (a volume the bucket is mounted on, e.g. with "
-                          "mountpoint-s3 or s3fs-fuse, works)")
+def run_location(path: Path | None, flag: str) -> Path | str | None:
+    """`path`, or the s3:// URL it spells (a Path keeps `s3://bucket/x` as `s3:/bucket/x`): a run dir in
+    object storage (run.bucket). Other URLs are refused: a run would land in a local folder named after
+    them while its user believes it is remote."""
+    text = str(path) if path is not None else ""
+    if re.match(r"s3:/", text):
+        return RunBucket(re.sub(r"^s3:/+", "s3://", text)).url  # checked: a bucket and a prefix
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", text):
+        url = re.sub(r"^([^:]+):/+", r"\1://", text)
+        raise ConfigError(f"{flag} {url}: ddp writes runs to a folder or to s3://BUCKET/PREFIX/NAME; give "
+                          "one of those (a volume the storage is mounted on works)")
     return path
+
+
+def local_checkpoint(path: str | Path, flag: str = "--checkpoint") -> str:
+    """`path`, or where the checkpoint its s3:// URL names was downloaded to (checked against its
+    manifest: run.pull)."""
+    url = run_location(Path(path), flag)
+    if isinstance(url, str):
+        from ddp_cli.run.pull import fetch_checkpoint
+
+        return str(fetch_checkpoint(url, flag))
+    return str(path)
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def prepare_run(run: Preflight, run_dir: Path | None, quiet: bool) -> Path:
-    """The run directory, holding everything the workers need (`jobs.prepare_job`)."""
+def prepare_run(run: Preflight, run_dir: Path | str | None, quiet: bool) -> Path:
+    """The run directory, holding everything the workers need (`jobs.prepare_job`); for a run dir in a
+    bucket, its staging folder, emptied and filled from the bucket (`pull.stage`)."""
     from ddp_cli.preflight import warn_if_disk_short
 
+    bucket = bucket_of(run_dir)
+    if bucket:
+        from ddp_cli.run.pull import stage
+
+        run_dir = staging_folder(bucket)
+        stage(RunBucket(bucket), run_dir, run.resume)
     folder = (run_dir or default_run_dir(run.cfg)).resolve()
     warn_if_disk_short(run, folder)
-    prepare_job(folder, run.cfg, run.entry, run.index, Job("train", quiet, resume=run.resume))
+    prepare_job(folder, run.cfg, run.entry, run.index, Job("train", quiet, resume=run.resume, bucket=bucket))
     return folder
 
 
-def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | None, opts: LaunchOptions,
+def published(result: dict[str, Any], run_dir: Path | str | None, folder: Path,
+              node_rank: int = 0) -> dict[str, Any]:
+    """`result` of a run dir in a bucket: its files uploaded a last time (rank logs, result.json: what
+    the workers wrote after their last upload; from another node than rank 0's, its ranks' logs only),
+    and its places named in the bucket."""
+    bucket = bucket_of(run_dir)
+    if not bucket:
+        return result
+    from ddp_cli.run.bucket import PER_RANK
+    from ddp_cli.run.mirror import upload_files
+
+    upload_files(RunBucket(bucket), folder, {}, PER_RANK if node_rank else ())
+    return {**result, "run_dir": bucket, "checkpoint": f"{bucket}/checkpoints/last.pt"}
+
+
+def upload_after_failure(run_dir: Path | str | None, folder: Path) -> None:
+    """A failed run's logs and error records to its bucket, where they can be read; an upload that
+    fails too is only warned of (the run's own error is the one to show)."""
+    bucket = bucket_of(run_dir)
+    if not bucket:
+        return
+    from ddp_cli.run.bucket import PER_RANK
+    from ddp_cli.run.mirror import upload_files
+
+    try:
+        upload_files(RunBucket(bucket), folder, {}, PER_RANK)
+    except DdpError as e:
+        log.warning("warning: the run's logs are only in %s: %s", folder, e)
+
+
+def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | None, opts: LaunchOptions,
                     resume: str, quiet: bool) -> dict[str, Any]:
     """Check, hand off, launch; the result with where start-up time went (`StartupClock`). The index
     builds beside (`build`): meanwhile this process imports what building the model needs."""
@@ -150,23 +207,32 @@ def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | None, opt
     try:
         start = launch(folder, run.workers.nproc, opts, cfg.distributed)
     except WorkerFailed as e:
+        upload_after_failure(run_dir, folder)
         if e.exit_code == PEER_LOST:
-            raise PeerLost(f"{e}; {how_to_go_on(folder)}") from None
+            raise PeerLost(f"{e}; {how_to_go_on(folder, bucket=bucket_of(run_dir))}") from None
         raise
-    return {**read_result(folder), "data_workers": run.loaders.as_dict(), "worker_start": start}
+    result = {**read_result(folder), "data_workers": run.loaders.as_dict(), "worker_start": start}
+    return published(result, run_dir, folder, opts.node_rank)
 
 
-def how_to_go_on(folder: Path, argv: list[str] | None = None) -> str:
-    """What is safe after a lost node, and the command that resumes from it."""
+def how_to_go_on(folder: Path, argv: list[str] | None = None, bucket: str | None = None) -> str:
+    """What is safe after a lost node, and the command that resumes from it (from the `bucket`, for a
+    run dir there: what this node staged may not all have reached it)."""
     from ddp_cli.train.checkpoint import CheckpointStore
 
-    newest = CheckpointStore(folder / "checkpoints", 1).latest_valid()
+    newest = None if bucket else CheckpointStore(folder / "checkpoints", 1).latest_valid()
     kept = f"{newest} is the newest valid checkpoint" if newest else "no checkpoint was written yet"
+    kept = f"{bucket} holds every checkpoint uploaded whole" if bucket else kept
     return f"{kept}; to go on, run on every node (each with its own --node-rank): " + \
-        resume_command(sys.argv[1:] if argv is None else argv, folder)
+        resume_command(sys.argv[1:] if argv is None else argv, bucket or folder)
 
 
-def resume_command(argv: list[str], folder: Path) -> str:
+def bucket_of(run_dir: Path | str | None) -> str | None:
+    """The s3:// URL of a run dir in a bucket (`run_location` gives those as strings), else None."""
+    return run_dir if isinstance(run_dir, str) else None
+
+
+def resume_command(argv: list[str], folder: Path | str) -> str:
     """This `ddp` command line, pointed at its run dir with --resume auto (a rerun without --run-dir
     would start a new run dir, and fresh)."""
     kept, skip = [], False
@@ -180,7 +246,7 @@ def resume_command(argv: list[str], folder: Path) -> str:
     return shlex.join(["ddp", *kept, "--run-dir", str(folder), "--resume", "auto"])
 
 
-def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | None,
+def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | None,
                          resume: str, quiet: bool, startup: StartupClock) -> dict[str, Any]:
     """Started by an external torchrun: rank 0 checks and prepares the run dir, every rank trains."""
     import torch.distributed as dist
@@ -199,8 +265,13 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | None
     dist.broadcast_object_list(folder, src=0)
     code = run_job(Path(folder[0]), startup)
     if code:
+        if run:
+            upload_after_failure(run_dir, Path(folder[0]))
         raise WorkerFailed("", code)
-    return {**read_result(Path(folder[0])), "data_workers": run.loaders.as_dict()} if run else {}
+    if not run:
+        return {}
+    result = {**read_result(Path(folder[0])), "data_workers": run.loaders.as_dict()}
+    return published(result, run_dir, Path(folder[0]))
 
 
 def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) -> dict[str, Any]:
@@ -224,6 +295,7 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
 
     opts = LaunchOptions(nproc_per_node)
     single_threaded()
+    given, job.checkpoint = job.checkpoint, local_checkpoint(job.checkpoint)
     trained = load_trained(job.checkpoint, job.weights, load_config(config) if config else None)
     warn_if_changed(trained.cfg.model, trained.path)
     cfg = inference_config(trained, batch_size, dataset, precision)
@@ -237,7 +309,8 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
     job.evaluation = evaluation_file(Path(job.checkpoint), job.weights) if job.per_class else None
     result = run_inference(job, cfg, entry, index, workers.nproc, opts)
     files = {"confusion": job.confusion, "predictions": job.predictions, "evaluation": job.evaluation}
-    return {**result, **{key: path for key, path in files.items() if path}}
+    named = {"checkpoint": run_location(Path(given), "--checkpoint")} if given.startswith("s3:/") else {}
+    return {**result, **{key: path for key, path in files.items() if path}, **named}
 
 
 def inference_config(trained: Trained, batch_size: int | None, dataset: str | None,
@@ -320,6 +393,7 @@ def predict(job: Job, inputs: list[str], dataset: str | None, split: str, regist
 
     opts = LaunchOptions(nproc_per_node)
     single_threaded()
+    job.checkpoint = local_checkpoint(job.checkpoint)
     trained = load_trained(job.checkpoint, job.weights)
     warn_if_changed(trained.cfg.model, trained.path)
     cfg = inference_config(trained, batch_size, dataset, precision)
@@ -437,17 +511,34 @@ def export(checkpoint: Path, fmt: str, weights: str, out: Path) -> dict[str, Any
     """`ddp export`: the checkpoint's weights in `fmt`, with a model card beside them."""
     from ddp_cli.export import export_checkpoint
 
-    return export_checkpoint(checkpoint, fmt, weights, out)
+    return export_checkpoint(Path(local_checkpoint(checkpoint)), fmt, weights, out)
 
 
 def report(run_dir: Path, out: Path | None) -> dict[str, Any]:
     """`ddp report`: the run summarised, its curves drawn to `out` (and any per-class picture beside)."""
+    url = run_location(run_dir, "RUN_DIR")
+    if isinstance(url, str):
+        return report_from_bucket(RunBucket(url), out)
     summary = summarize(run_dir)
     png = out or run_dir / "report.png"
     summary["plot"] = str(plot(run_dir, png))
     drawn = classes.plot(run_dir, classes_png(png))
     summary["classes_plot"] = str(drawn) if drawn else None
     return summary
+
+
+def report_from_bucket(bucket: RunBucket, out: Path | None) -> dict[str, Any]:
+    """`ddp report s3://...`: the run's files downloaded to a temporary folder and drawn there; the
+    pictures uploaded beside the run (report.png, as a local run gets it), or written to `out`."""
+    with tempfile.TemporaryDirectory(prefix="ddp-report-") as tmp:
+        folder = Path(tmp) / "run"
+        if not bucket.download_files(folder):
+            raise DataError(f"{bucket.url}: no run there (no files under it); give the --run-dir of a run")
+        summary = report(folder, out)
+        if out is None:
+            for picture in sorted(folder.glob("report*.png")):
+                bucket.put(picture, picture.name)
+        return json.loads(json.dumps(summary).replace(str(folder), bucket.url))
 
 
 def init(folder: Path) -> dict[str, Any]:

@@ -343,6 +343,10 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
+    dir: str | None = Field(
+        None, description="The run dir when --run-dir is not given: a folder, or s3://BUCKET/PREFIX/NAME "
+        "(a run in object storage, resumed from the bucket); unset = runs/NAME-YYYYmmdd-HHMMSS.",
+    )
     every_steps: int = Field(0, ge=0, description="Also checkpoint every N steps (0 = epoch ends only).")
     keep_last: int = Field(3, ge=1, description="Step checkpoints kept besides last.pt and best.pt.")
     background: bool = Field(

@@ -16,6 +16,11 @@ from synthetic import write_registry
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 240
+# S3 on loopback (moto's server mode): fake credentials, set per test only; never to reach a run's files
+KEY, SECRET = "AKIADDPTESTFAKE00000", "ddp-fake-secret-never-in-a-run-dir"
+CLEAN_ENV = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/ddp",
+             "AWS_CONFIG_FILE": "/nonexistent/ddp", "AWS_DEFAULT_REGION": "us-east-1"}
+ENV = {**CLEAN_ENV, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
 
 
 def run_ddp(*args: str, cwd: Path | None = None, env: dict | None = None,
@@ -206,3 +211,36 @@ def train_the_demo(demo_registry: Path, run_dir: Path) -> Path:
                      str(run_dir), "--quiet", "--json", *[a for s in sets for a in ("--set", s)])
     last_json(result)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> str:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    """Fake credentials in this test's environment only; a fresh s3fs per test (no cached sessions)."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    clear_instance_caches()
+    yield monkeypatch
+    clear_instance_caches()
+
+
+def clear_instance_caches() -> None:
+    """s3fs keeps one filesystem (and its credentials) per set of options, per class."""
+    import s3fs
+
+    from ddp_cli.data.fetch.s3fs_once import S3FileSystemOnce
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    S3FileSystemOnce.clear_instance_cache()

@@ -174,7 +174,7 @@ def options(
 @command(bench_app, "checkpoint")
 @step_options(model="resnet50", batch_size=8, image_size=224, steps=None, rounds=2)
 def checkpoint(setup: StepSetup, as_json: JsonOpt = False) -> None:
-    """What a checkpoint costs the step it follows: none vs written in the step vs in the background.
+    """What a checkpoint costs the step it follows: none, written in the step, in the background, to S3.
 
     Examples:
 

@@ -3,8 +3,9 @@
 Loopback S3 answers in a fraction of a millisecond and never fails, so neither
 the cost of one round trip per image nor the retry path would ever show. The
 proxy adds a first-byte latency to every answer (`latency_ms`: what a region is
-from a node), answers a fraction of the GET requests 503 SlowDown instead of
-forwarding them (`fail_rate`, drawn from a seeded generator: the same requests
+from a node), answers a fraction of the GET requests (or of other `methods`: a
+run dir's uploads are PUTs) 503 SlowDown instead of forwarding them
+(`fail_rate`, drawn from a seeded generator: the same requests
 fail on every run that makes them in the same order; `drop_share` of those
 failures drop the connection instead, a reset with no answer), and refuses every
 request whose path contains one of `fail_paths` (an object that keeps failing).
@@ -39,10 +40,11 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection
 @dataclass
 class Faults:
     latency_ms: float = 0.0
-    fail_rate: float = 0.0  # of the GET requests (object reads and listings: the data path)
+    fail_rate: float = 0.0  # of the requests of `methods` (GETs: reads and listings, the data path)
     drop_share: float = 0.0  # of those failures: the connection reset instead of a 503 SlowDown
     fail_paths: tuple[str, ...] = ()  # requests whose path has one of these: always refused (503)
     seed: int = 0
+    methods: tuple[str, ...] = ("GET",)  # what `fail_rate` draws from; a run dir's uploads are PUTs
 
     def __post_init__(self) -> None:
         if isinstance(self.fail_paths, str):  # one substring, not its characters
@@ -92,7 +94,7 @@ class FaultProxy:
             self.counts.requests += 1
             if any(p in path for p in self.faults.fail_paths):
                 fault = "503"
-            elif method == "GET" and self.random.random() < self.faults.fail_rate:
+            elif method in self.faults.methods and self.random.random() < self.faults.fail_rate:
                 fault = "drop" if self.random.random() < self.faults.drop_share else "503"
             else:
                 return None

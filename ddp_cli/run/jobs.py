@@ -30,6 +30,7 @@ class Job:
     quiet: bool = False
     checkpoint: str | None = None  # validate, predict: the checkpoint to use
     resume: str = "never"  # train: auto | never | a checkpoint path
+    bucket: str | None = None  # train: the run dir in object storage this folder stages (s3://...)
     weights: str = "model"  # validate, predict: the checkpoint's "model" or "ema" weights
     topk: list[int] = field(default_factory=lambda: [1, 5])  # validate: accuracies; predict: [k]
     tta: bool = False  # validate: average with the horizontally flipped image

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_cli.config import RunConfig
+from ddp_cli.data.fetch.retry import IoPolicy
 from ddp_cli.data.pipeline.loaders import build_loaders
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, seed_everything
@@ -24,7 +25,9 @@ from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry
+from ddp_cli.run.bucket import RunBucket
 from ddp_cli.run.jobs import Job
+from ddp_cli.run.mirror import BucketMirror
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
 from ddp_cli.train.eval_outputs import evaluation_record, write_evaluation
 from ddp_cli.train.trainer import Trainer, count_steps
@@ -98,7 +101,9 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
     startup.mark("loaders")
     meta = {"config": cfg.model_dump(mode="json"), "dataset": entry.model_dump(mode="json"),
             "classes": index.classes, "descriptions": index.descriptions}
-    checkpointer = Checkpointer(CheckpointStore(folder / "checkpoints", cfg.checkpoint.keep_last),
+    mirror = BucketMirror(RunBucket(job.bucket, IoPolicy.of(cfg.data)), folder) \
+        if job.bucket and ctx.is_main else None  # the bucket's copy is rank 0's alone
+    checkpointer = Checkpointer(CheckpointStore(folder / "checkpoints", cfg.checkpoint.keep_last, mirror),
                                 writes=writes, every_steps=cfg.checkpoint.every_steps,
                                 stop=StopRequest(control_group(ctx.backend)), meta=meta,
                                 background=cfg.checkpoint.background,

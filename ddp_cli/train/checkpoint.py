@@ -164,16 +164,31 @@ def verify(path: Path) -> str | None:
     return None
 
 
+class Mirror(Protocol):
+    """Where a store's checkpoints are repeated once final (a run dir in a bucket: run.mirror)."""
+
+    url: str  # the run dir there: what a resume names
+    def saved(self, path: Path, aliases: list[Path]) -> None: ...
+    def removed(self, path: Path) -> None: ...
+    def raise_if_failed(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class CheckpointStore:
     """`checkpoints/`: step-NNNNNNNNN.pt files (the last `keep_last` kept), last.pt and best.pt.
 
     Every save is a new step file plus its manifest; last.pt and best.pt are then
     hard links to it (a copy where links are not supported), each with its own
     manifest. A kill at any point leaves at least the previous checkpoint valid.
+    A `mirror` is told of each checkpoint once final, and of each one pruned.
     """
 
-    def __init__(self, folder: Path, keep_last: int) -> None:
-        self.folder, self.keep_last = folder, keep_last
+    def __init__(self, folder: Path, keep_last: int, mirror: Mirror | None = None) -> None:
+        self.folder, self.keep_last, self.mirror = folder, keep_last, mirror
+
+    def run_dir(self) -> str:
+        """The run dir a resume names: the bucket's for a mirrored one (the folder is only staging)."""
+        return self.mirror.url if self.mirror else str(self.folder.parent)
 
     def path_for(self, step: int) -> Path:
         return self.folder / f"step-{step:09d}.pt"
@@ -186,8 +201,11 @@ class CheckpointStore:
         except WriteError:
             path.unlink(missing_ok=True)  # without its manifest it is no checkpoint, only lost space
             raise
-        for alias in ("last.pt", "best.pt") if best else ("last.pt",):
-            self._alias(path, self.folder / alias, info, written)
+        aliases = [self.folder / alias for alias in (("last.pt", "best.pt") if best else ("last.pt",))]
+        for alias in aliases:
+            self._alias(path, alias, info, written)
+        if self.mirror:
+            self.mirror.saved(path, aliases)
         self._prune()
         return path
 
@@ -211,6 +229,8 @@ class CheckpointStore:
         for old in self.steps()[: -self.keep_last]:
             old.unlink(missing_ok=True)
             manifest_path(old).unlink(missing_ok=True)
+            if self.mirror:
+                self.mirror.removed(old)
 
     def steps(self) -> list[Path]:
         return sorted(self.folder.glob("step-*.pt"))
@@ -218,7 +238,7 @@ class CheckpointStore:
     def refused(self, error: WriteError) -> WriteError:
         """`error` (a write the storage refused during the run) with the checkpoint to resume from: the
         last one written whole, which a refused write never replaces."""
-        run = self.folder.parent
+        run = self.run_dir()
         try:
             latest = self.latest_valid()
         except OSError:  # a failing device may refuse reading them back too
@@ -365,9 +385,10 @@ class Checkpointer:
             return
         self.wait()
         folder = self.store.folder if self.store else Path("checkpoints")
+        run_dir = self.store.run_dir() if self.store else folder.parent
         raise DdpError(f"stopped by {signal.Signals(self.stopping).name} after step {self.progress.step}, "
                        f"checkpoint {path or folder}; the same command with --run-dir "
-                       f"{folder.parent} resumes it", StopRequest.exit_code(self.stopping))
+                       f"{run_dir} resumes it", StopRequest.exit_code(self.stopping))
 
     def save(self, top1: float | None = None) -> Path | None:
         """A checkpoint of the current step; returns its path on writing ranks.
@@ -392,9 +413,11 @@ class Checkpointer:
         return self.store.path_for(self.progress.step)
 
     def raise_if_failed(self) -> None:
-        """A background write that has failed ends the run at the first step after it failed."""
+        """A background write (or upload) that has failed ends the run at the first step after it failed."""
         if self.pending is not None and self.pending.done():
             self.wait()
+        if self.store and self.store.mirror:
+            self.store.mirror.raise_if_failed()
 
     def wait(self) -> None:
         """Until the write under way (if any) is durable; its failure is raised here."""
@@ -407,12 +430,14 @@ class Checkpointer:
                                 "then resume from the last one written") from e
 
     def close(self) -> None:
-        """Before the process ends: the last write durable, the writer thread gone."""
+        """Before the process ends: the last write durable (and uploaded), the writer thread gone."""
         try:
             self.wait()
         finally:
             if self.writer is not None:
                 self.writer.shutdown()
+        if self.store and self.store.mirror:
+            self.store.mirror.close()
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore the progress and every registered part from `path`; returns the checkpoint."""

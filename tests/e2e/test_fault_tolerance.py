@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+import s3fs
 import torch
-from conftest import LiveRun, last_json, run_ddp
+from conftest import ENV, KEY, SECRET, LiveRun, ddp_in_process, last_json, run_ddp
 
 from ddp_cli.train.checkpoint import CheckpointStore, write_manifest
 
@@ -22,9 +23,9 @@ EXACT = ["--set", "data.workers=1", "--set", "logging.every_steps=1", "--set", "
          "--set", "data.image_size=16", "--set", "data.val_resize=16"]
 
 
-def train(registry, run_dir, *extra):
+def train(registry, run_dir, *extra, env=None):
     return run_ddp("train", "configs/demo.toml", "--registry", str(registry), "--run-dir", str(run_dir),
-                   "--json", *EXACT, *extra)
+                   "--json", *EXACT, *extra, env=env)
 
 
 def weights(run_dir):
@@ -70,6 +71,54 @@ def test_sigterm_with_every_augmentation_on_checkpoints_then_resume_ends_bit_ide
     assert 6 <= step < 22  # mid-epoch
     resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, "--set", "train.epochs=2"))
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
+
+
+RUNS = "ddp-run-dirs"  # not the unit tests' bucket: one server may serve both
+EVERY_METHOD = ("GET", "PUT", "HEAD", "DELETE", "POST")
+
+
+def test_a_run_in_a_bucket_killed_resumes_on_an_empty_disk_from_the_bucket_alone_identical_and_is_drawn(
+        demo_registry, s3_endpoint, aws, tmp_path, uninterrupted):
+    """Through a proxy failing 5% of all requests: SIGKILL once step 5 is in the bucket, then a fresh
+    process with an empty staging folder resumes from the bucket and ends where the unbroken run ends;
+    no file in the bucket or on either node's disk holds the secret key; `ddp report` draws the run."""
+    from ddp_cli.bench.faultproxy import FaultProxy, Faults
+
+    reference, reference_dir = uninterrupted
+    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint},
+                           skip_instance_cache=True)
+    fs.mkdir(RUNS)
+    url, args = f"s3://{RUNS}/runs/demo", ["--set", "checkpoint.every_steps=5", *AUGMENTED,
+                                           "--set", "train.epochs=2"]
+    with FaultProxy(s3_endpoint, Faults(fail_rate=0.05, methods=EVERY_METHOD, seed=1)) as proxy:
+        env = {**ENV, "AWS_ENDPOINT_URL": proxy.url}
+        run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir", url,
+                      *EXACT, *args, env={**env, "DDP_STAGING_DIR": str(tmp_path / "node-a")})
+        landed = f"{RUNS}/runs/demo/checkpoints/step-000000005.pt.json"
+        deadline = time.monotonic() + 120
+        while not fs.exists(landed) and run.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            fs.invalidate_cache()
+        run.kill()
+        assert fs.exists(landed), run.stderr[-3000:]
+        assert run.wait(timeout=30) == -9
+        resumed = train(demo_registry, url, *args, "--resume", "auto",
+                        env={**env, "DDP_STAGING_DIR": str(tmp_path / "node-b")})  # an empty disk
+    assert proxy.counts.refused > 0
+    assert "checkpoints/step-0000000" in resumed.stderr and "downloaded to resume from" in resumed.stderr
+    result = last_json(resumed)
+    assert result["run_dir"] == url and result["final"] == reference["final"]
+    fs.get(f"{RUNS}/runs/demo/checkpoints/last.pt", str(tmp_path / "last.pt"))
+    a, b = torch.load(tmp_path / "last.pt", weights_only=True)["model"], weights(reference_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed from the bucket differs from the unbroken run"
+    stored = {key: fs.cat_file(key) for key in fs.find(RUNS)}
+    local = {p: p.read_bytes() for p in tmp_path.glob("node-*/**/*") if p.is_file()}
+    assert local and all(SECRET.encode() not in data for data in [*stored.values(), *local.values()])
+    assert SECRET not in run.stderr + resumed.stderr + resumed.stdout
+    aws.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    drawn = last_json(ddp_in_process("report", url, "--json"))
+    fs.invalidate_cache()
+    assert drawn["plot"] == f"{url}/report.png" and fs.exists(f"{RUNS}/runs/demo/report.png")
 
 
 @pytest.fixture

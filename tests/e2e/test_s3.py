@@ -16,7 +16,7 @@ import moto.settings
 import pytest
 import s3fs
 import torch
-from conftest import REPO, last_json, run_ddp
+from conftest import ENV, KEY, REPO, SECRET, last_json, run_ddp
 from synthetic import make_csv_listed, make_imagenet_loc, plant, write_hf_parquet, write_registry
 from typer.testing import CliRunner
 
@@ -26,22 +26,7 @@ from ddp_cli.errors import DataError
 from ddp_cli.registry import load_registry
 
 BUCKET = "ddp-test-data"
-KEY, SECRET = "AKIADDPTESTFAKE00000", "ddp-fake-secret-never-in-a-run-dir"
-CLEAN_ENV = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/ddp",
-             "AWS_CONFIG_FILE": "/nonexistent/ddp", "AWS_DEFAULT_REGION": "us-east-1"}
-ENV = {**CLEAN_ENV, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
 runner = CliRunner()
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> str:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -62,26 +47,6 @@ def s3_registry(s3_endpoint, tmp_path_factory) -> Path:
                for name, bucket, prefix in (("s3data", BUCKET, "imagenet"), ("s3faulty", BUCKET, "faulty"),
                                             ("nobucket", "ddp-no-such-bucket", "imagenet"))]
     return write_registry(tmp_path_factory.mktemp("s3-registry"), entries)
-
-
-@pytest.fixture
-def aws(monkeypatch):
-    """Fake credentials in this test's environment only; a fresh s3fs per test (no cached sessions)."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in ENV.items():
-        monkeypatch.setenv(name, value)
-    clear_instance_caches()
-    yield monkeypatch
-    clear_instance_caches()
-
-
-def clear_instance_caches() -> None:
-    """s3fs keeps one filesystem (and its credentials) per set of options, per class."""
-    from ddp_cli.data.fetch.s3fs_once import S3FileSystemOnce
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    S3FileSystemOnce.clear_instance_cache()
 
 
 def invoke(*args: str):
