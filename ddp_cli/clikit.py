@@ -148,6 +148,8 @@ def takes_verbose(command: Callable) -> Callable:
     return wrapper
 
 
+# Libraries whose INFO lines would reach the user's stderr through the root logger's INFO level.
+LIBRARY_LOGGERS = ("botocore", "aiobotocore", "boto3", "s3fs", "fsspec", "urllib3")
 
 
 def configure_logging(verbose: bool) -> None:
@@ -157,6 +159,8 @@ def configure_logging(verbose: bool) -> None:
                         stream=sys.stderr)
     if verbose:
         logging.getLogger().setLevel(logging.DEBUG)  # after the command's name: basicConfig already ran
+    for name in LIBRARY_LOGGERS:  # their INFO lines are not ddp's ("Found credentials in environment ...")
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
     for name, (quiet, loud) in LOG_ENV.items():
         if verbose:
             os.environ[name] = loud

@@ -60,3 +60,20 @@ def test_dashed_reads_torchruns_spellings_as_ddps_up_to_a_double_dash():
     assert dashed(["--nproc_per_node", "4", "--node_rank=1", "--set", "a.b_c=1", "--", "--rdzv_id"]) == \
         ["--nproc-per-node", "4", "--node-rank=1", "--set", "a.b_c=1", "--", "--rdzv_id"]
     assert all(dashed([spelling]) == [ours] for spelling, ours in TORCHRUN_SPELLINGS.items())
+
+
+def test_library_info_lines_stay_off_stderr_unless_verbose(capsys):
+    """botocore logs "Found credentials in environment variables." at INFO on every S3 command: not ddp's
+    line to print (the root logger is at INFO for ddp's own)."""
+    import logging
+
+    from ddp_cli.clikit import configure_logging
+    credentials = logging.getLogger("botocore.credentials")
+    try:
+        configure_logging(verbose=False)
+        assert not credentials.isEnabledFor(logging.INFO)
+        configure_logging(verbose=True)
+        assert credentials.isEnabledFor(logging.DEBUG)
+    finally:
+        configure_logging(verbose=False)
+        logging.getLogger().setLevel(logging.WARNING)
