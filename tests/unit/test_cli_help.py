@@ -70,6 +70,7 @@ def test_library_info_lines_stay_off_stderr_unless_verbose(capsys):
     from ddp_cli.clikit import configure_logging
     credentials = logging.getLogger("botocore.credentials")
     try:
+        logging.getLogger().setLevel(logging.INFO)  # as `ddp`'s basicConfig leaves it for its own lines
         configure_logging(verbose=False)
         assert not credentials.isEnabledFor(logging.INFO)
         configure_logging(verbose=True)
