@@ -84,6 +84,14 @@ def semi_splits(train: Split, unlabeled: Split | None, semi: SemiConfig,
     return labelled, unlabelled
 
 
+def check_unlabelled(images: int, world_size: int, cfg: RunConfig) -> None:
+    """A pass over the unlabelled split holds at least one micro-step of every rank."""
+    if images < world_size * cfg.data.batch_size * cfg.semi.mu:
+        raise ConfigError(f"semi.mu: the {images} unlabelled images are fewer than one step takes "
+                          f"({world_size} workers x batch_size {cfg.data.batch_size} x mu {cfg.semi.mu}); "
+                          "lower semi.mu or data.batch_size")
+
+
 def position(n: int, chunk: int, epoch: int, seen: int) -> tuple[int, int]:
     """(pass, positions consumed), moved on to the next pass where what is left of this one is less than
     a chunk (one micro-step of every rank: the sampler drops it)."""
@@ -129,11 +137,8 @@ def build_semi_loaders(cfg: RunConfig, fs: fsspec.AbstractFileSystem, root: str,
                             rank, world_size, cfg.seed, pin_memory, augment=cfg.augment)
     if unlabelled is None:
         return loaders
+    check_unlabelled(len(unlabelled), world_size, cfg)
     data, batch = cfg.data, cfg.data.batch_size * cfg.semi.mu
-    if len(unlabelled) < world_size * batch:
-        raise ConfigError(f"semi.mu: the {len(unlabelled)} unlabelled images are fewer than one step takes "
-                          f"({world_size} workers x batch_size {data.batch_size} x mu {cfg.semi.mu}); lower "
-                          "semi.mu or data.batch_size")
     views = TwoViews(data, cfg.augment, cfg.semi)
     dataset = UnlabelledDataset(fs, root, unlabelled, views, data.on_bad_image, views.size, data.cache_dir,
                                 shard_cache(data), IoPolicy.of(data), data.shuffle_shards)
