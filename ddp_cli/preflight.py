@@ -24,9 +24,10 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_loaders
-from ddp_cli.data.pipeline.semi import UNLABELED, check_unlabelled, semi_splits
+from ddp_cli.data.pipeline.semi import check_unlabelled, semi_splits
 from ddp_cli.data.pipeline.sharedmem import check_shared_memory
 from ddp_cli.data.sources.table import IndexTable
+from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.index_build import IndexBuild

@@ -3,17 +3,21 @@ sharding and position, the two views, and what [semi] refuses (in-process, no wo
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ddp_in_process
+from synthetic import image, make_imagefolder, write_registry
 
 from ddp_cli.config import DataConfig, RunConfig, SemiConfig, config_from_dict
 from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.data.pipeline.semi import (
     UnlabelledStream,
+    build_semi_loaders,
     check_unlabelled,
     labelled_rows,
     semi_splits,
@@ -21,7 +25,9 @@ from ddp_cli.data.pipeline.semi import (
 )
 from ddp_cli.data.pipeline.views import TwoViews, cutout
 from ddp_cli.data.sources.packed import Split
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError
+from ddp_cli.index_build import resolve_dataset
 from ddp_cli.train.fixmatch import fixmatch_loss, pseudo_labels, summary
 
 FIXMATCH = SemiConfig(method="fixmatch", threshold=0.9, lambda_u=2.0)
@@ -172,11 +178,13 @@ def test_what_composes_with_fixmatch_is_accepted():
 
 
 def test_the_views_are_flipped_only_where_data_hflip_and_semi_weak_say_so():
-    views = TwoViews(DataConfig(image_size=8, hflip=False), RunConfig().augment, SemiConfig(method="fixmatch"))
-    assert not views.weak.hflip and not views.strong.hflip
-    assert TwoViews(DataConfig(image_size=8), RunConfig().augment, SemiConfig(method="fixmatch")).weak.hflip
-    assert not TwoViews(DataConfig(image_size=8), RunConfig().augment,
-                        SemiConfig(method="fixmatch", weak="crop")).weak.hflip
+    def views(hflip: bool, weak: str = "flip+crop") -> TwoViews:
+        return TwoViews(DataConfig(image_size=8, hflip=hflip), RunConfig().augment,
+                        SemiConfig(method="fixmatch", weak=weak))
+
+    assert not views(False).weak.hflip and not views(False).strong.hflip  # a mirrored digit: another glyph
+    assert views(True).weak.hflip and views(True).strong.hflip
+    assert not views(True, "crop").weak.hflip
 
 
 def test_cutout_greys_a_square_within_the_largest_side(monkeypatch):
@@ -184,3 +192,79 @@ def test_cutout_greys_a_square_within_the_largest_side(monkeypatch):
     out = cutout(torch.zeros(8, 8, 3, dtype=torch.uint8), 0.5)
     assert (out == 127).all(dim=2).sum().item() == 16  # a 4 x 4 square: half the side
     assert out[2:6, 2:6].eq(127).all()
+
+
+@pytest.fixture
+def with_unlabeled(tmp_path):
+    """An imagefolder data set (3 classes, 6 train images each) whose registry entry names an unlabeled
+    folder of 20 images, some in a subfolder."""
+    root = tmp_path / "data"
+    make_imagefolder(root, per_class=6, size=12)
+    (root / "unlabeled/more").mkdir(parents=True)
+    for i in range(20):
+        image(i, i % 3, 12).save(root / "unlabeled" / ("more" if i % 2 else "") / f"u{i}.png")
+    return write_registry(tmp_path, [{"name": "semi", "layout": "imagefolder", "unlabeled": "unlabeled",
+                                      "storage": {"driver": "FileSystem", "path": str(root)}}])
+
+
+def semi_config(**semi) -> RunConfig:
+    return config_from_dict({"data": {"dataset": "semi", "image_size": 8, "batch_size": 2, "workers": 0},
+                             "semi": semi})
+
+
+def test_a_registry_unlabeled_folder_becomes_the_unlabelled_split_and_survives_the_hand_off(
+        with_unlabeled, tmp_path):
+    _, index = resolve_dataset(semi_config(method="fixmatch", mu=2), str(with_unlabeled))
+    unlabeled = index.splits["unlabeled"]
+    assert len(unlabeled) == 20 and set(unlabeled.labels.tolist()) == {-1}
+    assert sum(p.startswith("unlabeled/more/") for p in unlabeled.paths) == 10
+    index.save(tmp_path / "index")
+    assert IndexTable.load(tmp_path / "index").splits["unlabeled"] == unlabeled  # what the workers read
+    assert "unlabeled" not in resolve_dataset(semi_config(), str(with_unlabeled))[1].splits  # not read
+
+
+def test_the_labelled_subset_is_the_same_on_every_rank_at_any_loader_count_and_when_rebuilt(with_unlabeled):
+    cfg = semi_config(method="fixmatch", labels_per_class=2, mu=2)
+    entry, index = resolve_dataset(cfg, str(with_unlabeled))
+    fs, root = entry.open()
+
+    def labelled(rank: int, world: int, workers: int) -> Split:
+        loaders = build_semi_loaders(cfg.resolved({"data.workers": workers}), fs, root, index, rank, world,
+                                     pin_memory=False)
+        return loaders.train.dataset.dataset.split
+
+    first = labelled(0, 1, 0)
+    assert len(first) == 6 and np.bincount(first.labels).tolist() == [2, 2, 2]
+    assert all(labelled(*where) == first for where in ((0, 2, 0), (1, 2, 1), (0, 1, 1)))
+
+
+def test_the_unlabelled_loader_yields_both_views_of_images_nobody_labelled(with_unlabeled):
+    cfg = semi_config(method="fixmatch", mu=2)
+    entry, index = resolve_dataset(cfg, str(with_unlabeled))
+    loaders = build_semi_loaders(cfg, *entry.open(), index, 0, 1, pin_memory=False)
+    batch = next(iter(loaders.unlabelled))
+    assert batch.images.shape == (4, 2, 8, 8, 3) and batch.labels.tolist() == [-1] * 4
+    assert not torch.equal(batch.images[:, 0], batch.images[:, 1])  # weak and strong differ
+
+
+def test_the_dry_run_refuses_what_the_data_set_cannot_give_in_one_line(with_unlabeled, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('[data]\ndataset = "semi"\nimage_size = 8\nbatch_size = 2\n'
+                      '[model]\nname = "resnet_tiny"\n[distributed]\nnproc_per_node = 1\n')
+    refusals = {
+        ("semi.labels_per_class=7",): "semi.labels_per_class: class 0 of the train split has 6 images, fewer "
+                                      "than 7; lower semi.labels_per_class",
+        ("semi.method=fixmatch", "semi.mu=11"): "semi.mu: the 20 unlabelled images are fewer than one step "
+                                                "takes (1 workers x batch_size 2 x mu 11); lower semi.mu or "
+                                                "data.batch_size"}
+    for keys, line in refusals.items():
+        result = ddp_in_process("train", str(config), "--registry", str(with_unlabeled), "--dry-run",
+                                *(arg for key in keys for arg in ("--set", key)))
+        assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(line), result.stderr
+    plan = ddp_in_process("train", str(config), "--registry", str(with_unlabeled), "--dry-run", "--json",
+                          "--set", "semi.method=fixmatch", "--set", "semi.mu=2")
+    semi = json.loads(plan.stdout)["semi"]
+    assert (semi["labelled_images"], semi["unlabelled_images"], semi["unlabelled_per_step"]) == (18, 20, 4)
+    assert semi["unlabelled_from"] == "the registry's unlabeled split"
+    assert semi["strong"][-2:] == ["RandAugment(num_ops=2, magnitude=random 1-30)", "Cutout(up to 0.5 of the "
+                                   "side, grey)"]

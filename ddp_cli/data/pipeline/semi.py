@@ -39,11 +39,10 @@ from ddp_cli.data.pipeline.seeds import derived_seed
 from ddp_cli.data.pipeline.views import TwoViews
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.data.sources.table import IndexTable
+from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.errors import ConfigError
 
 LABELLED, UNLABELLED = 2, 3  # derived_seed streams: the labelled subset's draw, the views' augmentation
-UNLABELED = "unlabeled"  # the registry's split name
-UNKNOWN = -1  # the label of an image nobody labelled
 
 
 def labelled_rows(labels: np.ndarray, per_class: int, seed: int) -> np.ndarray:
