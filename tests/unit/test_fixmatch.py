@@ -268,3 +268,23 @@ def test_the_dry_run_refuses_what_the_data_set_cannot_give_in_one_line(with_unla
     assert semi["unlabelled_from"] == "the registry's unlabeled split"
     assert semi["strong"][-2:] == ["RandAugment(num_ops=2, magnitude=random 1-30)", "Cutout(up to 0.5 of the "
                                    "side, grey)"]
+
+
+def test_ddp_report_summarises_and_draws_fixmatch_s_curves(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from ddp_cli.observe.report import figure, summarize
+
+    window = {"sup_loss": 1.0, "unsup_loss": 0.0, "mask_rate": 0.0, "pseudo_label_top1": None}
+    records = [{"split": "train", "epoch": 1, "step": 5, "loss": 1.0, "lr": 0.1, **window},
+               {"split": "val", "epoch": 1, "step": 5, "loss": 1.0, "top1": 0.5, "top5": 0.9},
+               {"split": "semi", "epoch": 1, "step": 5, **window,
+                "mask_rate": 0.25, "pseudo_label_top1": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert summarize(tmp_path)["semi"] == {"mask_rate": 0.25, "pseudo_label_top1": 0.75}
+    loss_ax, acc_ax = figure(tmp_path).axes[:2]
+    assert {line.get_label() for line in loss_ax.lines} >= {"supervised (window)", "unlabelled (window)"}
+    assert {line.get_label() for line in acc_ax.lines} >= {"mask rate", "pseudo-label top-1"}
+    plt.close("all")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[1]) + "\n")  # a supervised run: as before
+    assert "semi" not in summarize(tmp_path)
