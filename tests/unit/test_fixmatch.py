@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import ddp_in_process
 from synthetic import image, make_imagefolder, write_registry
@@ -288,3 +289,45 @@ def test_ddp_report_summarises_and_draws_fixmatch_s_curves(tmp_path):
     plt.close("all")
     (tmp_path / "metrics.jsonl").write_text(json.dumps(records[1]) + "\n")  # a supervised run: as before
     assert "semi" not in summarize(tmp_path)
+
+
+def test_the_trainer_batches_labelled_weak_and_strong_in_one_forward_with_the_ema_teacher(monkeypatch):
+    """The real Trainer on a one-rank gloo group, FixMatch with the EMA teacher and 2 micro-steps: every
+    student forward takes B labelled + 2 x mu x B views, the teacher sees the weak views, the stream's
+    position moves one micro-step of every rank at a time, and the epoch's metrics come back."""
+    from replicas import CLASSES, make_config
+
+    from ddp_cli.data.pipeline.loaders import Batch, Loaders
+    from ddp_cli.distributed.setup import DistContext, seed_everything
+    from ddp_cli.models import build_model
+    from ddp_cli.train.trainer import Trainer
+
+    b, mu, steps, accum = 2, 3, 2, 2
+    g = torch.Generator().manual_seed(0)
+    labelled = [Batch(torch.randint(0, 256, (b, 8, 8, 3), dtype=torch.uint8, generator=g),
+                      torch.randint(0, CLASSES, (b,), generator=g), [""] * b, [""] * b)
+                for _ in range(steps * accum)]
+    unlabelled = [Batch(torch.randint(0, 256, (mu * b, 2, 8, 8, 3), dtype=torch.uint8, generator=g),
+                        torch.randint(-1, CLASSES, (mu * b,), generator=g), [""] * mu * b, [""] * mu * b)
+                  for _ in range(steps * accum)]
+    cfg = make_config({"data": {"batch_size": b, "image_size": 8}, "train": {"grad_accum": accum,
+                                                                             "ema_decay": 0.5},
+                       "semi": {"method": "fixmatch", "mu": mu, "threshold": 0.0, "ema_teacher": True}})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        seed_everything(cfg.seed)
+        loaders = Loaders(labelled, labelled[:1], ShardSampler(steps * accum * b, 0, 1, shuffle=True,
+                                                                batch_size=b, with_epoch=True),
+                          unlabelled, stream(20, 0, 1, mu * b))
+        trainer = Trainer(cfg, DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo"),
+                          build_model(cfg.model, CLASSES), loaders, steps)
+        sizes, taught = [], []
+        trainer.model.module.register_forward_hook(lambda module, args, out: sizes.append(len(args[0])))
+        monkeypatch.setattr(trainer, "teacher_logits", lambda weak: (taught.append(len(weak)),
+                                                                      torch.zeros(len(weak), CLASSES))[1])
+        _, _, semi = trainer.train_epoch(0)
+    finally:
+        dist.destroy_process_group()
+    assert sizes == [b + 2 * mu * b] * steps * accum and taught == [mu * b] * steps * accum
+    assert semi["mask_rate"] == 1.0  # threshold 0: every pseudo-label counts
+    assert (trainer.state.unlabelled_epoch, trainer.state.unlabelled_seen) == (1, 6)  # 20 // 6 = 3 a pass
