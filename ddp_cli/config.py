@@ -186,6 +186,45 @@ class AugmentConfig(Section):
         return self.mix_prob > 0 and (self.mixup_alpha > 0 or self.cutmix_alpha > 0)
 
 
+class SemiConfig(Section):
+    method: Literal["none", "fixmatch"] = Field(
+        "none", description='Semi-supervised training: "fixmatch" (Sohn et al. 2020) also learns from the '
+        "unlabelled images (the registry's unlabeled split, else the train split's images past "
+        'labels_per_class); "none" = off (docs: "Learning from unlabelled images").',
+    )
+    labels_per_class: PositiveInt | None = Field(
+        None, description="Keep this many labelled images per class of the train split, chosen by the seed "
+        "(the same on every rank and after a resume); with fixmatch the rest become unlabelled (their "
+        "labels only measure pseudo_label_top1), with \"none\" they are left out: the supervised baseline. "
+        "Unset = every label.",
+    )
+    threshold: float = Field(0.95, ge=0, le=1, description="fixmatch: a pseudo-label counts where the weak "
+                             "view's top probability reaches this.")
+    mu: PositiveInt = Field(7, description="fixmatch: unlabelled images per labelled one in a batch (each "
+                            "seen twice, weak and strong, in the same forward pass).")
+    lambda_u: float = Field(1.0, ge=0, description="fixmatch: weight of the unlabelled loss.")
+    temperature: float = Field(1.0, gt=0, description="fixmatch: the weak view's logits are divided by this "
+                               "before the softmax that makes pseudo-labels.")
+    ema_teacher: bool = Field(False, description="fixmatch: pseudo-labels from the weights' EMA (needs "
+                              "train.ema_decay > 0) instead of the model being trained.")
+    weak: Literal["flip+crop", "crop"] = Field(
+        "flip+crop", description="fixmatch: the weak view: RandomResizedCrop of scale (crop_scale, 1) and "
+        "a horizontal flip where data.hflip (\"crop\": never flipped).",
+    )
+    crop_scale: float = Field(0.5, gt=0, le=1, description="fixmatch: smallest area fraction of the weak "
+                              "and strong views' crop.")
+    strong: Literal["randaugment+cutout", "randaugment", "none"] = Field(
+        "randaugment+cutout", description="fixmatch: the strong view: the weak view's crop and flip, then "
+        "RandAugment (strong_ops ops, each image at a magnitude drawn from 1-30) and Cutout.",
+    )
+    strong_ops: PositiveInt = Field(2, description="fixmatch: RandAugment ops per strong view.")
+    cutout: float = Field(0.5, gt=0, le=1, description="fixmatch: Cutout's largest square, as a fraction of "
+                          "the side (a grey square of side drawn up to this).")
+
+    def on(self) -> bool:
+        return self.method == "fixmatch"
+
+
 class ModelSource(Section):
     root: str | None = Field(None, description="The folder put first on sys.path to import the model: "
                              "the file's own, or the one its module was found in.")
@@ -438,6 +477,7 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    semi: SemiConfig = Field(default_factory=SemiConfig)
 
     @model_validator(mode="after")
     def _static_graph_alone(self) -> RunConfig:
@@ -451,6 +491,24 @@ class RunConfig(Section):
         if self.checkpoint.best_metric == "ema_top1" and not self.train.ema_decay:
             raise ValueError("checkpoint.best_metric: \"ema_top1\" needs an EMA; set train.ema_decay "
                              "(e.g. 0.9998) or use \"top1\"")
+        return self
+
+    @model_validator(mode="after")
+    def _fixmatch_composes(self) -> RunConfig:
+        """What FixMatch cannot be combined with, refused before anything runs."""
+        if not self.semi.on():
+            return self
+        if self.augment.mixing():
+            raise ValueError("augment.mixup_alpha: MixUp/CutMix mix the labelled batch that FixMatch's "
+                             "loss reads unmixed; set augment.mixup_alpha = augment.cutmix_alpha = 0, or "
+                             'semi.method = "none"')
+        if self.data.min_image_size is not None:
+            raise ValueError("data.min_image_size: progressive resizing changes the labelled crop each "
+                             "epoch, not the unlabelled views batched with it; unset it, or set "
+                             'semi.method = "none"')
+        if self.semi.ema_teacher and not self.train.ema_decay:
+            raise ValueError("semi.ema_teacher: needs an EMA; set train.ema_decay (e.g. 0.999) or "
+                             "semi.ema_teacher = false")
         return self
 
     def to_toml(self) -> str:

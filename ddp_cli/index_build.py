@@ -22,6 +22,7 @@ from typing import Any
 from ddp_cli.config import RunConfig
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.table import IndexTable
+from ddp_cli.data.sources.unlabeled import UNLABELED, unlabeled_split
 from ddp_cli.errors import ConfigError, DdpError
 from ddp_cli.registry import DatasetEntry, load_registry
 
@@ -35,6 +36,8 @@ def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | N
     fs, root = entry.open()
     index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image,
                         entry.csv)
+    if entry.unlabeled and cfg.semi.on() and "train" in splits:  # FixMatch's images nobody labelled
+        index.splits[UNLABELED] = unlabeled_split(fs, root, entry.unlabeled)
     for split, frame in index.splits.items():
         if not len(frame):
             raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "

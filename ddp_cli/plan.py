@@ -7,6 +7,8 @@ from typing import Any
 from ddp_cli.config import AugmentConfig, RunConfig
 from ddp_cli.data.pipeline.augment import op_names
 from ddp_cli.data.pipeline.transforms import normalising
+from ddp_cli.data.pipeline.views import view_names
+from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.reduce import powersgd_warmup
 from ddp_cli.models import count_parameters, is_timm_pretrained
 from ddp_cli.preflight import Preflight
@@ -65,6 +67,24 @@ def mixing(aug: AugmentConfig) -> list[str]:
                                                             ("CutMix", aug.cutmix_alpha)) if alpha]
     switch = f", switch_prob {aug.switch_prob:g}" if len(kinds) == 2 else ""
     return [f"{' / '.join(kinds)}, mix_prob {aug.mix_prob:g}{switch} (on the device, per batch)"]
+
+
+def semi_plan(run: Preflight) -> dict[str, Any]:
+    """[semi] as the run will use it: the split's images kept labelled, the unlabelled stream, FixMatch's
+    settings and its two views."""
+    semi, (labelled, unlabelled) = run.cfg.semi, run.semi_images
+    plan: dict[str, Any] = {"method": semi.method, "labels_per_class": semi.labels_per_class,
+                            "labelled_images": labelled}
+    if not semi.on():
+        return plan
+    source = ("the registry's unlabeled split" if UNLABELED in run.index.splits
+              else "the rest of the train split")
+    return {**plan, "unlabelled_images": unlabelled, "unlabelled_from": source,
+            "unlabelled_per_step": run.global_batch * semi.mu, "threshold": semi.threshold, "mu": semi.mu,
+            "lambda_u": semi.lambda_u, "temperature": semi.temperature,
+            "pseudo_labels_from": "the EMA weights" if semi.ema_teacher else "the model being trained",
+            **view_names(run.cfg.data, run.cfg.augment, semi),
+            "forward": "one pass over labelled + weak + strong (BatchNorm sees all)"}
 
 
 def val_preprocessing(cfg: RunConfig) -> list[str]:
@@ -134,6 +154,7 @@ def describe(run: Preflight) -> dict[str, Any]:
         "channels_last": cfg.model.channels_last,
         "compile": cfg.train.compile,
         "ema_decay": cfg.train.ema_decay,
+        **({"semi": semi_plan(run)} if cfg.semi.on() or cfg.semi.labels_per_class else {}),
         "resume": run.resume,
         **reduce,
     }

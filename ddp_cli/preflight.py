@@ -24,8 +24,10 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_loaders
+from ddp_cli.data.pipeline.semi import check_unlabelled, semi_splits
 from ddp_cli.data.pipeline.sharedmem import check_shared_memory
 from ddp_cli.data.sources.table import IndexTable
+from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.index_build import IndexBuild
@@ -71,6 +73,7 @@ class Preflight:
     steps_per_epoch: int
     global_batch: int
     lr: float
+    semi_images: tuple[int, int | None] = (0, None)  # (labelled, unlabelled or None) train images
 
 
 def launch_workers(cfg: RunConfig, opts: LaunchOptions) -> Workers:
@@ -113,9 +116,13 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     loaders = choose_node_loaders(cfg, workers, entry, index, model, "train")
     cfg = cfg.resolved(loaders.settings())
     startup.mark("data_workers")
-    batches = len(index.splits["train"]) // workers.world_size // cfg.data.batch_size  # as a rank's loader
+    labelled, unlabelled = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
+    if unlabelled is not None:
+        check_unlabelled(len(unlabelled), workers.world_size, cfg)
+    batches = len(labelled) // workers.world_size // cfg.data.batch_size  # as a rank's loader
     return Preflight(cfg, entry, index, model, workers, loaders, resume, count_steps(batches, cfg.train),
-                     cfg.global_batch(workers.world_size), cfg.lr(workers.world_size))
+                     cfg.global_batch(workers.world_size), cfg.lr(workers.world_size),
+                     (len(labelled), None if unlabelled is None else len(unlabelled)))
 
 
 def checkpoint_bytes(cfg: RunConfig, model: nn.Module) -> int:

@@ -72,6 +72,9 @@ class DatasetEntry(BaseModel):
     storage: Storage
     csv: CsvListing | None = Field(None, description='layout = "csv": the listing and its columns '
                                    "([datasets.csv]); unset, the defaults.")
+    unlabeled: str | None = Field(None, description="A split of images nobody labelled, whatever the layout: "
+                                  "a folder under the root, every image under it (semi.method = "
+                                  "\"fixmatch\" learns from it).")
 
     @field_validator("layout")
     @classmethod

@@ -15,14 +15,20 @@ from ddp_cli.observe import classes
 from ddp_cli.observe.sinks import read_metrics
 
 
-def load_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(train records, val records) from the run's metrics.jsonl."""
+def load_records(run_dir: Path, split: str = "train") -> tuple[list[dict], list[dict]]:
+    """(records of `split`, val records) from the run's metrics.jsonl."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl; give a run directory made by `ddp train`")
     records = read_metrics(path)
-    return ([r for r in records if r.get("split") == "train"],
+    return ([r for r in records if r.get("split") == split],
             [r for r in records if r.get("split") == "val"])
+
+
+def semi_summary(run_dir: Path) -> dict[str, Any]:
+    """FixMatch's last epoch (mask rate, pseudo-label accuracy), where the run had it on."""
+    epochs, _ = load_records(run_dir, "semi")
+    return {"semi": {k: epochs[-1].get(k) for k in ("mask_rate", "pseudo_label_top1")}} if epochs else {}
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
@@ -44,6 +50,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "best_epoch": best["epoch"] if best else None,
         "images_per_second": median(rates) if rates else None,
         **classes.summary(classes.latest_evaluation(run_dir)),
+        **semi_summary(run_dir),
     }
 
 
@@ -71,12 +78,29 @@ def figure(run_dir: Path):
     lr_ax.set(title="learning rate", xlabel="step")
     speed_ax.plot(steps, [r.get("images_per_second", math.nan) for r in train])
     speed_ax.set(title="training images/s (all ranks)", xlabel="step", ylim=(0, None))
+    plot_semi(run_dir, train, loss_ax, acc_ax)
     for ax in (loss_ax, acc_ax):
         ax.legend()
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(run_dir.name)
     return fig
+
+
+def plot_semi(run_dir: Path, train: list[dict], loss_ax, acc_ax) -> None:
+    """FixMatch's curves, where it was on: its two losses per step window beside the loss, and per epoch
+    the mask rate and the pseudo-labels' accuracy beside validation's (all shares in [0, 1])."""
+    windows = [r for r in train if "sup_loss" in r]
+    if not windows:
+        return
+    steps = [r["step"] for r in windows]
+    loss_ax.plot(steps, [r["sup_loss"] for r in windows], ":", label="supervised (window)")
+    loss_ax.plot(steps, [max(r["unsup_loss"], 1e-6) for r in windows], ":", label="unlabelled (window)")
+    epochs, _ = load_records(run_dir, "semi")
+    numbers = [r["epoch"] for r in epochs]
+    acc_ax.plot(numbers, [r["mask_rate"] for r in epochs], "^-", label="mask rate")
+    acc_ax.plot(numbers, [math.nan if r["pseudo_label_top1"] is None else r["pseudo_label_top1"]
+                          for r in epochs], "v-", label="pseudo-label top-1")
 
 
 def classes_png(out: Path) -> Path:

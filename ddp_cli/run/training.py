@@ -15,7 +15,7 @@ from torch import nn
 
 from ddp_cli.config import RunConfig
 from ddp_cli.data.fetch.retry import IoPolicy
-from ddp_cli.data.pipeline.loaders import build_loaders
+from ddp_cli.data.pipeline.semi import build_semi_loaders
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
@@ -96,8 +96,8 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
     freeze(model, cfg.model)  # fine-tuning: before DDP wraps it
     startup.mark("model")
     fs, root = entry.open()
-    loaders = build_loaders(cfg.data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
-                            pin_memory=ctx.device.type == "cuda", augment=cfg.augment)
+    loaders = build_semi_loaders(cfg, fs, root, index, ctx.rank, ctx.world_size,
+                                 pin_memory=ctx.device.type == "cuda")
     startup.mark("loaders")
     meta = {"config": cfg.model_dump(mode="json"), "dataset": entry.model_dump(mode="json"),
             "classes": index.classes, "descriptions": index.descriptions}

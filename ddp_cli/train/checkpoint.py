@@ -276,7 +276,9 @@ class RunState:
     samples_in_epoch: int = 0  # positions of this epoch's order consumed, all ranks
     epoch_layout: int = 0  # the sampler chunk (ranks x batch) the epoch's order is laid out for
     global_batch: int = 0  # images per optimisation step when this state was reached
-    running: list[list[float]] = field(default_factory=list)  # per rank: the epoch's loss sum, steps
+    running: list[list[float]] = field(default_factory=list)  # per rank: loss sum, steps, FixMatch's sums
+    unlabelled_epoch: int = 0  # semi.method = "fixmatch": the unlabelled stream's pass under way
+    unlabelled_seen: int = 0  # and its positions consumed, all ranks (semi.py)
     best_top1: float = -1.0
     history: list[dict[str, Any]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
@@ -294,14 +296,14 @@ class RunState:
             if f.name in state:
                 setattr(self, f.name, state[f.name])
 
-    def running_of(self, rank: int, world_size: int) -> list[float]:
-        """Rank `rank`'s share of the epoch's running loss (sum, steps): its own at the same world
-        size; at another, all of it on rank 0 (the epoch's loss is their sum)."""
+    def running_of(self, rank: int, world_size: int, width: int = 2) -> list[float]:
+        """Rank `rank`'s share of the epoch's running sums (loss, steps, and FixMatch's: `width` in all):
+        its own at the same world size; at another, all of it on rank 0 (the epoch's are their sums)."""
         if len(self.running) == world_size:
             return self.running[rank]
         if rank == 0 and self.running:
-            return [sum(r[0] for r in self.running), sum(r[1] for r in self.running)]
-        return [0.0, 0.0]
+            return [sum(column) for column in zip(*self.running, strict=True)]
+        return [0.0] * width
 
     def position(self) -> dict[str, Any]:
         """The scalar fields: what a manifest and a log line say about a checkpoint."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from ddp_cli.observe.startup import StartupClock
 from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
 from ddp_cli.train.checkpoint_model import warn_if_changed
 from ddp_cli.train.ema import EmaModel
+from ddp_cli.train.fixmatch import SUMS, fixmatch_loss, summary
 from ddp_cli.train.inference import evaluate, raise_bad_images
 from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.mixing import BatchMixing, loss_function
@@ -96,7 +97,11 @@ class Trainer:
         self.loss_fn = loss_function(cfg)  # labels or mixes
         self.mixing = BatchMixing(cfg.augment, cfg.seed) if cfg.augment.mixing() else None
         self.state = RunState(global_batch=self.global_batch, world_sizes=[ctx.world_size])
-        self.running = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # the epoch's loss sum, steps
+        self.semi = cfg.semi if loaders.unlabelled is not None else None  # FixMatch (fixmatch.py)
+        self.unlabelled_batches: Iterator[Batch] | None = None  # the endless stream, from its position
+        # the epoch's loss sum, steps (and FixMatch's SUMS); semi_mark: all ranks' sums at the last record
+        self.running = torch.zeros(2 + len(SUMS) * bool(self.semi), dtype=torch.float64, device=ctx.device)
+        self.semi_mark = self.running.clone()
         self.retries_seen = retries_so_far()
         self.checkpointer = checkpointer or Checkpointer(None)
         self.on_validation: Callable[[EvalTotals, int], None] | None = None  # (totals, epoch): rank 0's files
@@ -109,7 +114,7 @@ class Trainer:
         cfg, images_seen, train_seconds = self.cfg, 0, 0.0
         for epoch in range(self.state.epoch, cfg.train.epochs):
             started = time.perf_counter()
-            train_loss, bad = self.train_epoch(epoch)
+            train_loss, bad, semi = self.train_epoch(epoch)
             seconds = time.perf_counter() - started
             train_seconds += seconds
             images_seen += self.steps_per_epoch * self.global_batch
@@ -128,7 +133,7 @@ class Trainer:
                    "top1": val["top1"], "top5": val["top5"], "seconds": seconds,
                    "images_per_second": self.steps_per_epoch * self.global_batch / seconds,
                    "skipped": len(bad), "io_retries": retries,
-                   **({"ema_top1": ema_val["top1"]} if ema_val else {})}
+                   **({"ema_top1": ema_val["top1"]} if ema_val else {}), **semi}
             self.state.history.append(row)
             self.log({"split": "val", "epoch": epoch + 1, "step": self.state.step, **val,
                       "lr": self.optimizer.param_groups[0]["lr"], "image_size": cfg.data.train_size(epoch),
@@ -136,6 +141,8 @@ class Trainer:
                       "io_retries": retries})
             if ema_val:
                 self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val})
+            if semi:
+                self.log({"split": "semi", "epoch": epoch + 1, "step": self.state.step, **semi})
             self.console.epoch_done(row)
             if self.on_validation:
                 self.on_validation(evaluation, epoch + 1)
@@ -151,10 +158,10 @@ class Trainer:
         dist.all_reduce(count)
         return int(count.item())
 
-    def train_epoch(self, epoch: int) -> tuple[float, set[str]]:
+    def train_epoch(self, epoch: int) -> tuple[float, set[str], dict[str, Any]]:
         """One pass over this rank's shard (or what is left of it after a resume).
 
-        Returns (mean train loss of all ranks, this rank's bad files).
+        Returns (mean train loss of all ranks, this rank's bad files, FixMatch's epoch metrics or {}).
         """
         start = self.state.step_in_epoch
         sampler = self.loaders.train_sampler
@@ -163,18 +170,23 @@ class Trainer:
         sampler.set_epoch(epoch, skip=self.state.samples_in_epoch, layout=self.state.epoch_layout)
         self.model.train()
         batches = iter(self.loaders.train)
-        self.running.copy_(queued_copy(torch.tensor(self.state.running_of(self.ctx.rank, self.ctx.world_size),
-                                                    dtype=torch.float64), self.ctx.device))
+        self.running.copy_(queued_copy(torch.tensor(self.state.running_of(
+            self.ctx.rank, self.ctx.world_size, len(self.running)), dtype=torch.float64), self.ctx.device))
+        if self.semi:
+            self.semi_mark = self.reduced_running()
         bad, window, every = set(), (start, time.perf_counter()), self.cfg.logging.every_steps
         lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:
             update(start)
             for step in range(start + 1, self.steps_per_epoch + 1):
                 micro = [next(batches) for _ in range(self.accum)]
+                unlabelled = [self.next_unlabelled() for _ in micro] if self.semi else None
                 self.startup.mark("first_batch")
-                bad.update(path for batch in micro for path in skipped_files(batch.skipped))
+                bad.update(path for batch in micro + (unlabelled or [])
+                           for path in skipped_files(batch.skipped))
                 lrs.append(self.optimizer.param_groups[0]["lr"])
-                self.running += torch.stack([self.train_step(micro).double(), self.running.new_ones(())])
+                sums = self.train_step(micro, unlabelled)
+                self.running += torch.cat([sums[:1], self.running.new_ones(1), sums[1:]])
                 self.state.step, self.state.step_in_epoch = self.state.step + 1, step
                 if startup := self.startup.finish("first_step"):
                     self.console.info(self.startup.line())
@@ -186,25 +198,53 @@ class Trainer:
                     rate = (step - window[0]) * self.global_batch / (time.perf_counter() - window[1])
                     update(step, loss=loss, lr=lrs[-1], img_s=rate)
                     self.log({"split": "train", "epoch": epoch + 1, "step": self.state.step,
-                              "loss": loss, "lr": lrs[-1], "lrs": lrs, "images_per_second": rate})
+                              "loss": loss, "lr": lrs[-1], "lrs": lrs, "images_per_second": rate,
+                              **(self.semi_window() if self.semi else {})})
                     window, lrs = (step, time.perf_counter()), []
                 if step < self.steps_per_epoch:  # the epoch's last step is saved after validation
                     self.checkpoint()
+        loss, steps, *sums = self.reduced_running().tolist()
+        return loss / max(steps, 1), bad, summary(sums, steps * self.accum) if self.semi else {}
+
+    def reduced_running(self) -> torch.Tensor:
+        """The epoch's running sums of all ranks."""
         running = self.running.clone()
         dist.all_reduce(running)
-        loss, steps = running.tolist()
-        return loss / max(steps, 1), bad
+        return running
 
-    def train_step(self, micro: list[Batch]) -> torch.Tensor:
-        """Forward/backward each micro-batch (gradients synced on the last), then one optimiser step."""
+    def next_unlabelled(self) -> Batch:
+        """The next unlabelled micro-batch (both views of each image), the stream's position moved on: the
+        stream starts where the run stands (a fresh run or a resume) and runs across epochs."""
+        stream = self.loaders.unlabelled_stream
+        if self.unlabelled_batches is None:
+            stream.start(self.state.unlabelled_epoch, self.state.unlabelled_seen)
+            self.unlabelled_batches = iter(self.loaders.unlabelled)
+        self.state.unlabelled_epoch, self.state.unlabelled_seen = stream.advance(
+            self.state.unlabelled_epoch, self.state.unlabelled_seen)
+        return next(self.unlabelled_batches)
+
+    def semi_window(self) -> dict[str, Any]:
+        """FixMatch's metrics since the last record (all ranks')."""
+        now = self.reduced_running()
+        since, self.semi_mark = (now - self.semi_mark).tolist(), now
+        return summary(since[2:], since[1] * self.accum)
+
+    def train_step(self, micro: list[Batch], unlabelled: list[Batch] | None = None) -> torch.Tensor:
+        """Forward/backward each micro-batch (gradients synced on the last; with FixMatch, with its
+        unlabelled micro-batch), then one optimiser step. Returns (loss, FixMatch's SUMS...) of the step."""
         total = torch.zeros((), device=self.ctx.device)
+        sums = torch.zeros(len(self.running) - 2, dtype=torch.float64, device=self.ctx.device)
         for i, batch in enumerate(micro):
             with self.gradient_sync(i == len(micro) - 1):
-                loss = self.forward_loss(batch, len(micro))
+                if unlabelled:
+                    loss, semi = self.fixmatch_loss(batch, unlabelled[i], len(micro))
+                    sums += semi
+                else:
+                    loss = self.forward_loss(batch, len(micro))
                 self.backward(loss)
             total += loss.detach().float()
         self.optimizer_step()
-        return total
+        return torch.cat([total.double().view(1), sums])
 
     def gradient_sync(self, sync: bool) -> AbstractContextManager:
         """DDP all-reduces gradients during backward only when `sync` (the last micro-batch)."""
@@ -223,6 +263,29 @@ class Trainer:
         with autocast(self.ctx.device, self.precision):
             logits = self.forward(x)
             return self.loss_fn(logits, mix.targets(y, logits.shape[1]) if mix else y) / parts
+
+    def fixmatch_loss(self, batch: Batch, unlabelled: Batch,
+                      parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """FixMatch's loss of a labelled micro-batch and its unlabelled one, in one forward pass of
+        [labelled; weak views; strong views] (`fixmatch.py`), divided by `parts`; and its sums."""
+        raise_bad_images(batch.errors)
+        raise_bad_images(unlabelled.errors)
+        views = unlabelled.images  # N x 2 x H x W x C: weak, strong
+        x = to_model_input(torch.cat([batch.images, views[:, 0], views[:, 1]]), self.ctx.device,
+                           self.cfg.model.channels_last, normalising(self.cfg.data))
+        y = batch.labels.to(self.ctx.device, non_blocking=True)
+        hidden = unlabelled.labels.to(self.ctx.device, non_blocking=True)
+        teacher = self.teacher_logits(x[len(y):len(y) + len(views)]) if self.semi.ema_teacher else None
+        with autocast(self.ctx.device, self.precision):
+            logits = self.forward(x)
+            loss, sums = fixmatch_loss(logits, y, hidden, self.semi, self.loss_fn, teacher)
+        return loss / parts, sums
+
+    @torch.no_grad()
+    def teacher_logits(self, weak: torch.Tensor) -> torch.Tensor:
+        """The EMA weights' logits of the weak views (semi.ema_teacher), in eval mode."""
+        with autocast(self.ctx.device, self.precision):
+            return self.ema.module(weak).float()
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
@@ -334,6 +397,7 @@ class Trainer:
             "startup_seconds": self.startup.seconds(),  # to the end of the first step, by phase
             "world_sizes": self.state.world_sizes,
             "last_epoch": last,
+            **({"semi": {k: last.get(k) for k in ("mask_rate", "pseudo_label_top1")}} if self.semi else {}),
         }
 
     def log(self, record: dict[str, Any]) -> None:

@@ -121,6 +121,34 @@ def test_a_run_in_a_bucket_killed_resumes_on_an_empty_disk_from_the_bucket_alone
     assert drawn["plot"] == f"{url}/report.png" and fs.exists(f"{RUNS}/runs/demo/report.png")
 
 
+# FixMatch on the demo, tiny (8 px, a width-8 model, 6 steps an epoch of 2 ranks x 8 labelled + 2 x 56 views):
+# the unlabelled stream's first pass (1338 images, 112 a step) ends at step 11, after the resume below; a
+# threshold just above chance (10 classes) puts the unlabelled loss to work from the start.
+SEMI = ["--set", "semi.method=fixmatch", "--set", "semi.labels_per_class=10", "--set", "semi.threshold=0.15",
+        "--set", "data.batch_size=8", "--set", "data.image_size=8", "--set", "data.val_resize=8",
+        "--set", "model.kwargs={ width = 8 }", "--set", "distributed.stop_check_steps=1",
+        "--set", "train.epochs=2"]
+
+
+def test_sigterm_with_fixmatch_on_resumes_the_labelled_and_unlabelled_streams_bit_identical(
+        demo_registry, tmp_path):
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    reference = last_json(train(demo_registry, reference_dir, *SEMI))
+    assert reference["semi"]["mask_rate"] > 0 and 0 < reference["semi"]["pseudo_label_top1"] <= 1
+    records = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r["split"] == "semi"] == [1, 2]
+    assert all("mask_rate" in r and "unsup_loss" in r for r in records if r["split"] == "train")
+    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                  str(run_dir), *EXACT, *SEMI)
+    run.wait_for("epoch 1/2 step 3/")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == 143, run.stderr
+    stopped = torch.load(CheckpointStore(run_dir / "checkpoints", 1).latest_valid(), weights_only=True)
+    assert stopped["epoch"] == 0 and 3 <= stopped["step_in_epoch"] < 6  # mid-epoch, before the pass ends
+    assert (stopped["unlabelled_epoch"], stopped["unlabelled_seen"]) == (0, 112 * stopped["step_in_epoch"])
+    assert_bit_identical(last_json(train(demo_registry, run_dir, *SEMI)), reference, run_dir, reference_dir)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real tmpfs (as root: CI runs so), resized by calling it with a size; skipped where mounting

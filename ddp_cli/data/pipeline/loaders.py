@@ -18,7 +18,7 @@ from typing import NamedTuple
 import fsspec
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.fetch.parquet_reader import ParquetReader
@@ -247,6 +247,8 @@ class Loaders:
     train: DataLoader | None
     val: DataLoader
     train_sampler: ShardSampler | None
+    unlabelled: DataLoader | None = None  # semi.method = "fixmatch": the unlabelled views' loader (semi.py)
+    unlabelled_stream: Sampler | None = None  # its sampler: an endless `semi.UnlabelledStream`
 
 
 def make_loader(

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pandas builds the index in the launcher; ranks only load it
     import pandas as pd
 
 SPLITS = ("train", "val")
+UNLABELED = "unlabeled"  # a registry entry's images nobody labelled (unlabeled.py), for FixMatch
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
@@ -69,7 +70,8 @@ class IndexTable:
     def load(cls, folder: Path) -> IndexTable:
         """Each rank's copy: memory-mapped, so no row becomes a Python object."""
         meta = json.loads((folder / "classes.json").read_text())
-        splits = {name: Split.load(folder, name) for name in SPLITS if Split.saved(folder, name)}
+        names = (*SPLITS, UNLABELED)
+        splits = {name: Split.load(folder, name) for name in names if Split.saved(folder, name)}
         return cls(meta["classes"], meta["descriptions"], splits)
 
     def counts(self) -> dict[str, dict[str, int]]:

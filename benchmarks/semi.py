@@ -1,0 +1,74 @@
+"""The FixMatch benchmark of BENCHMARKS.md ("Semi-supervised: FixMatch"): FixMatch and supervised training on
+the same 10 labelled demo digits per class, the same labelled steps, in one run.
+
+    python benchmarks/semi.py --json
+
+Runs `ddp train configs/demo-fixmatch.toml` twice: as shipped (FixMatch, the rest of the train split
+unlabelled), then with `semi.method = "none"` (the same 100 labelled images alone, the same epochs of
+the same labelled batches) plus the supervised run's own best settings (`SUPERVISED`), and reports each
+one's val top-1 (last and best epoch), FixMatch's mask rate and pseudo-label accuracy, and the wall time
+of each command (start-up included). `--set KEY=VALUE` applies to both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs/demo-fixmatch.toml"
+# the supervised run's best settings found on these 100 labels (BENCHMARKS.md says how they were found):
+# RandAugment (2 ops, magnitude 9) after the crop, as FixMatch's strong views have
+SUPERVISED = ["semi.method=none", "augment.policy=randaugment"]
+
+
+def train(run_dir: Path, overrides: list[str]) -> tuple[dict, float]:
+    """`ddp train` of the recipe with `overrides`: its --json summary and its wall time in seconds."""
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "ddp_cli", "train", str(CONFIG), "--run-dir", str(run_dir),
+                           "--json", *sets], cwd=REPO, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - started
+    if done.returncode:
+        sys.exit(f"ddp train {' '.join(sets)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1]), seconds
+
+
+def row(name: str, summary: dict, seconds: float) -> dict:
+    last = summary["last_epoch"]
+    return {"run": name, "top1": summary["final"]["top1"], "best_top1": summary["best_top1"],
+            "epochs": summary["epochs"], "seconds": round(seconds, 1),
+            **({"mask_rate": last["mask_rate"], "pseudo_label_top1": last["pseudo_label_top1"]}
+               if "semi" in summary else {})}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a run config override for both runs")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="semi-bench-") as tmp:
+        fixmatch = row("fixmatch", *train(Path(tmp) / "fixmatch", args.sets))
+        supervised = row("supervised", *train(Path(tmp) / "supervised", [*args.sets, *SUPERVISED]))
+    gain = fixmatch["top1"] - supervised["top1"]
+    result = {"rows": [fixmatch, supervised], "gain_points": round(100 * gain, 1),
+              "target_met": fixmatch["top1"] >= 0.90 and fixmatch["top1"] - supervised["top1"] >= 0.10}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print("| run | val top-1 (last) | best | epochs | wall s | mask rate | pseudo-label top-1 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in result["rows"]:
+        print(f"| {r['run']} | {r['top1']:.4f} | {r['best_top1']:.4f} | {r['epochs']} | {r['seconds']} | "
+              f"{r.get('mask_rate', '')} | {r.get('pseudo_label_top1', '')} |")
+    print(f"gain: {result['gain_points']} points; target (>= 0.90 and >= 10 points): {result['target_met']}")
+
+
+if __name__ == "__main__":
+    main()
