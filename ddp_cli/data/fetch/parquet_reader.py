@@ -31,6 +31,7 @@ from typing import Any
 import fsspec
 
 from ddp_cli.data.fetch.retry import IoPolicy, with_retries
+from ddp_cli.data.fetch.row_groups import NodeGroups
 from ddp_cli.data.fetch.storage import (
     UNSAFE_PATH,
     FileReader,
@@ -86,9 +87,9 @@ class ParquetReader:
     threads asking for the same row group wait for one read), local or remote."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, keep: int = 8,
-                 policy: IoPolicy = IoPolicy()) -> None:
+                 policy: IoPolicy = IoPolicy(), shared: NodeGroups | None = None) -> None:
         self._fs, self._pid, self.policy = fs, -1, policy
-        self.root, self.keep = root.rstrip("/"), keep
+        self.root, self.keep, self.shared = root.rstrip("/"), keep, shared
         self.files = FileReader(fs, root, policy=policy)  # rows that name a path instead of bytes
         self._reset()
 
@@ -118,6 +119,12 @@ class ParquetReader:
         if escapes(file):
             raise UnsafePath(UNSAFE_PATH)
         group, row = (int(v) for v in member)
+        if self.shared is not None:  # the node's copy of the group: decoded once per node
+            with self._locked():
+                data = self.shared.read(f"{file.replace('/', '--')}.{group}", row,
+                                        lambda: self._read_group(file, group))
+            if data is not None:
+                return data
         with self._locked():
             image = self._group(file, group)[row]
         data = image["bytes"].as_py() if "bytes" in image.type.names else None  # the path only if needed
