@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import fsspec
@@ -373,3 +374,8 @@ def test_loader_processes_of_a_node_decode_each_row_group_once_between_them(hub,
     assert got == [[image, image] for image in expected]
     assert len(reads) == 6  # 6 row groups, each decoded once for both readers
     assert len(list(tmp_path.glob("*.rows"))) == 4  # the node keeps the 4 most recently written
+    last = train.paths[-1].split("#")[0]
+    os.utime(root / last, ns=(1, 1))  # the file rewritten: the node's copies of it are not read
+    ParquetReader(FS, str(root), 3, shared=NodeGroups(tmp_path, keep=4)).read(train.paths[-1],
+                                                                               train.members[-1])
+    assert len(reads) == 7

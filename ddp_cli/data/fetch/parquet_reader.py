@@ -26,6 +26,7 @@ never read).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import threading
@@ -111,6 +112,7 @@ class ParquetReader:
         self._pid, self._lock = os.getpid(), threading.Lock()
         self._open: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # file -> (ParquetFile, image column)
         self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()  # (file, group) -> StructArray
+        self._versions: dict[str, str] = {}  # file -> `_version`
 
     def prefetch(self, paths: list[str]) -> None:
         """Nothing to gather: a row group is read whole on its first image."""
@@ -125,7 +127,7 @@ class ParquetReader:
         group, row = (int(v) for v in member)
         if self.shared is not None:  # the node's copy of the group: decoded once per node
             with self._locked():
-                data = self.shared.read(f"{file.replace('/', '--')}.{group}", row,
+                data = self.shared.read(f"{file.replace('/', '--')}.{self._version(file)}.{group}", row,
                                         lambda: self._read_group(file, group))
             if data is not None:
                 return data
@@ -138,6 +140,16 @@ class ParquetReader:
         if not name:
             raise FileNotFoundError(f"{path}: no image (bytes and path both empty)")
         return self.files.read(name)
+
+    def _version(self, file: str) -> str:
+        """A token of `file`'s size and modification (its ETag remotely), so that a node's group files of
+        a file since rewritten are never read: one stat per file per process."""
+        if file not in self._versions:
+            where = f"{self.root}/{file}"
+            info = with_retries(lambda: self._fs.info(where), where, self.policy)
+            stamp = [info.get(k) for k in ("size", "mtime", "ETag", "LastModified")]
+            self._versions[file] = hashlib.sha1(repr(stamp).encode()).hexdigest()[:12]
+        return self._versions[file]
 
     def _locked(self) -> threading.Lock:
         if self._pid != os.getpid():
