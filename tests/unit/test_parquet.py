@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import fsspec
@@ -227,11 +228,14 @@ def test_a_path_only_row_is_read_under_the_root_and_an_unsafe_one_refused(tmp_pa
                                         r"path .*\(1 such row\(s\)\).*on_bad_image = \"skip\""):
         build_index(FS, str(tmp_path), "parquet", on_bad_image="error")
     split = build_index(FS, str(tmp_path), "parquet", on_bad_image="skip").splits["train"]
-    reader = open_reader(FS, str(tmp_path), split)
-    assert read_row(reader, split, 0).size == (40, 40)
-    with pytest.raises(BadImage, match="^unsafe path"):
-        read_row(reader, split, 1)
-    assert read_row(reader, split, 2).size == (40, 40)  # a row with bytes: its path is only a name
+    from ddp_cli.data.fetch.row_groups import NodeGroups
+
+    shared = ParquetReader(FS, str(tmp_path), shared=NodeGroups(tmp_path / "node", keep=4))
+    for reader in (open_reader(FS, str(tmp_path), split), shared):  # the node's copy: no bytes, its path
+        assert read_row(reader, split, 0).size == (40, 40)
+        with pytest.raises(BadImage, match="^unsafe path"):
+            read_row(reader, split, 1)
+        assert read_row(reader, split, 2).size == (40, 40)  # a row with bytes: its path is only a name
 
 
 def test_rows_without_a_class_are_left_out_and_listed(tmp_path):
@@ -349,3 +353,29 @@ def test_bench_data_times_parquet_against_files_in_the_same_run(hub, tmp_path):
     assert (files["storage"], parquet["storage"]) == ("local files", "local parquet")
     assert parquet["images"] > 0 and parquet["ratio"] == pytest.approx(
         parquet["images_per_second"] / files["images_per_second"])
+
+
+def test_loader_processes_of_a_node_decode_each_row_group_once_between_them(hub, tmp_path, monkeypatch):
+    """Two loader processes (two readers, each its own NodeGroups) reading every row of the same groups,
+    as the training order has them do: each group decoded once, the other reader reads the node's copy."""
+    from ddp_cli.data.fetch.row_groups import NodeGroups
+
+    root, _ = hub
+    train = build_index(FS, str(root), "parquet").splits["train"]
+    reads = []
+    original = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                        lambda self, g, **kw: reads.append(g) or original(self, g, **kw))
+    alone = open_reader(FS, str(root), train)
+    expected = [alone.read(train.paths[r], train.members[r]) for r in range(len(train))]
+    reads.clear()
+    workers = [ParquetReader(FS, str(root), 3, shared=NodeGroups(tmp_path, keep=4)) for _ in range(2)]
+    got = [[w.read(train.paths[r], train.members[r]) for w in workers] for r in range(len(train))]
+    assert got == [[image, image] for image in expected]
+    assert len(reads) == 6  # 6 row groups, each decoded once for both readers
+    assert len(list(tmp_path.glob("*.rows"))) == 4  # the node keeps the 4 most recently written
+    last = train.paths[-1].split("#")[0]
+    os.utime(root / last, ns=(1, 1))  # the file rewritten: the node's copies of it are not read
+    ParquetReader(FS, str(root), 3, shared=NodeGroups(tmp_path, keep=4)).read(train.paths[-1],
+                                                                               train.members[-1])
+    assert len(reads) == 7

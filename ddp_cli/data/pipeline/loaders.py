@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.fetch.parquet_reader import ParquetReader
 from ddp_cli.data.fetch.retry import IoPolicy, count_retries
+from ddp_cli.data.fetch.row_groups import NodeGroups, group_folder
 from ddp_cli.data.fetch.shard_reader import ShardReader
 from ddp_cli.data.fetch.storage import FileReader, UnsafePath
 from ddp_cli.data.pipeline.augment import train_transform
@@ -56,11 +57,14 @@ def fetch(reader: Reader, path: str, member: np.ndarray | None = None) -> Encode
 
 
 def open_reader(fs: fsspec.AbstractFileSystem, root: str, split: Split, cache_dir: str | None = None,
-                shard_cache: int = 32, policy: IoPolicy = IoPolicy(), window: int = 8) -> Reader:
+                shard_cache: int = 32, policy: IoPolicy = IoPolicy(), window: int = 8,
+                shared: bool = False) -> Reader:
     """The reader of `split`'s rows: files under the root, images inside packed shards, or rows of Parquet
-    files (which keeps the `window` row groups being read and two more: the one a batch straddles into)."""
+    files (which keeps the `window` row groups being read and two more: the one a batch straddles into;
+    `shared`: row groups decoded once per node for all its loader processes, `shard_cache` of them kept)."""
     if split.container == PARQUET and split.sharded:
-        return ParquetReader(fs, root, window + 2, policy)
+        node = NodeGroups(group_folder(fs, root), shard_cache) if shared else None
+        return ParquetReader(fs, root, window + 2, policy, node)
     if split.sharded:
         return ShardReader(fs, root, cache_dir, shard_cache, policy)
     return FileReader(fs, root, cache_dir, policy)
@@ -97,7 +101,7 @@ class ImageDataset(Dataset):
         policy: IoPolicy = IoPolicy(),
         window: int = 8,
     ) -> None:
-        self.reader = open_reader(fs, root, split, cache_dir, shard_cache, policy, window)
+        self.reader = open_reader(fs, root, split, cache_dir, shard_cache, policy, window, shared=True)
         self.window = window  # shards read at a time (data.shuffle_shards), for `read_ahead`
         self.transform = transform
         self.split, self.paths, self.labels = split, split.paths, split.labels

@@ -1,0 +1,119 @@
+"""A node's decoded Parquet row groups, shared by its loader processes and ranks.
+
+Every loader process of every rank of a node reads the same window of row
+groups (the training order hands each of them rows of every group of the
+window), so each would decompress each group. Instead the first process to
+need a group writes its images' bytes, decoded, to a file under the node's
+folder (a temporary file renamed into place, under a per-group lock: the
+others wait for it rather than decode it too), and every process reads an
+image from there with one `pread` at its offset, as from a packed shard. The
+folder keeps the `keep` most recently written groups (a process that still has
+one open keeps reading it: POSIX unlinks lazily; one that needs it again writes
+it again).
+
+A group file: the row count n (int64), n (start, end) byte spans (int64; start
+-1 for a row with no bytes), then the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from ddp_cli.data.fetch.storage import cache_folder
+from ddp_cli.io import writing
+
+SUFFIX = ".rows"
+GROUPS = Path(tempfile.gettempdir()) / f"ddp-row-groups-{os.getuid()}"  # the user's: /tmp is everyone's
+
+
+def group_folder(fs: fsspec.AbstractFileSystem, root: str) -> Path:
+    """The node's folder of `root`'s decoded row groups (remote: per endpoint, as the shard cache)."""
+    return cache_folder(fs, root, GROUPS) or GROUPS / "local" / root.lstrip("/")
+
+
+class NodeGroups:
+    """Row groups' image bytes in `folder`, shared by the node's processes: fork-safe, one per reader."""
+
+    def __init__(self, folder: Path, keep: int) -> None:
+        self.folder, self.keep, self._pid = folder, keep, os.getpid()
+        self._open: OrderedDict[str, tuple[int, np.ndarray]] = OrderedDict()  # name -> (fd, spans)
+
+    def read(self, name: str, row: int, decode: Callable[[], Any]) -> bytes | None:
+        """Row `row`'s image bytes of group `name` (None: it has none); `decode()` gives the group's image
+        column (an Arrow StructArray) when no process of the node has written it yet."""
+        fd, spans = self._opened(name, decode)
+        start, end = (int(v) for v in spans[row])
+        return None if start < 0 else os.pread(fd, end - start, start)
+
+    def _opened(self, name: str, decode: Callable[[], Any]) -> tuple[int, np.ndarray]:
+        if self._pid != os.getpid():  # a forked loader process: its own open files
+            self._pid, self._open = os.getpid(), OrderedDict()
+        if name not in self._open:
+            self._open[name] = self._load(name, decode)
+            if len(self._open) > self.keep:
+                os.close(self._open.popitem(last=False)[1][0])
+        self._open.move_to_end(name)
+        return self._open[name]
+
+    def _load(self, name: str, decode: Callable[[], Any]) -> tuple[int, np.ndarray]:
+        with contextlib.suppress(FileNotFoundError):
+            return self._open_file(name)
+        target = self.folder / f"{name}{SUFFIX}"
+        with writing(target):  # the folder's disk full: one line naming the file, in any process
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.folder / f".{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released on close
+                with contextlib.suppress(FileNotFoundError):
+                    return self._open_file(name)  # another process wrote it meanwhile
+                write_group(decode(), target)
+                opened = self._open_file(name)
+            self._evict()
+        return opened
+
+    def _open_file(self, name: str) -> tuple[int, np.ndarray]:
+        fd = os.open(self.folder / f"{name}{SUFFIX}", os.O_RDONLY)
+        rows = int.from_bytes(os.pread(fd, 8, 0), "little")
+        return fd, np.frombuffer(os.pread(fd, 16 * rows, 8), dtype="<i8").reshape(rows, 2)
+
+    def _evict(self) -> None:
+        """Keep the `keep` most recently written groups (and their locks: a lock only saves work)."""
+        written = sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in written[self.keep:]:
+            old.unlink(missing_ok=True)
+            (old.parent / f".{old.name.removesuffix(SUFFIX)}.lock").unlink(missing_ok=True)
+
+
+def write_group(images: Any, target: Path) -> None:
+    """The `bytes` of each row of the StructArray `images`, with their spans, atomically at `target`."""
+    import pyarrow as pa
+
+    names = [images.type.field(i).name for i in range(images.type.num_fields)]
+    column = (images.flatten()[names.index("bytes")] if "bytes" in names
+              else pa.array([None] * len(images), pa.binary()))
+    wide = np.int64 if pa.types.is_large_binary(column.type) else np.int32
+    offsets = np.frombuffer(column.buffers()[1], dtype=wide)[column.offset:column.offset + len(column) + 1]
+    header = 8 + 16 * len(column)
+    spans = np.stack([offsets[:-1], offsets[1:]], 1).astype("<i8") - offsets[0] + header
+    spans[column.is_null().to_numpy(zero_copy_only=False), 0] = -1
+    data = column.buffers()[2]
+    partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+    try:
+        with open(partial, "wb") as out:
+            out.write(len(column).to_bytes(8, "little"))
+            out.write(spans.tobytes())
+            if data is not None:
+                out.write(memoryview(data)[offsets[0]:offsets[-1]])
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
