@@ -47,7 +47,9 @@ def fixmatch_loss(logits: torch.Tensor, labels: torch.Tensor, hidden: torch.Tens
                                  semi.temperature, semi.threshold)
     unsup = (F.cross_entropy(strong, pseudo, reduction="none") * mask).mean()
     known = mask & (hidden >= 0)
-    counts = [mask.sum(), torch.tensor(len(mask)), (known & (pseudo == hidden)).sum(), known.sum()]
+    # the count as a fill on the device: a tensor made on the host would be a blocking copy on a GPU
+    counts = [mask.sum(), torch.full((), len(mask), device=mask.device), (known & (pseudo == hidden)).sum(),
+              known.sum()]
     sums = torch.stack([sup.detach().double(), unsup.detach().double(),
                         *(count.to(sup.device, torch.float64) for count in counts)])
     return sup + semi.lambda_u * unsup, sums

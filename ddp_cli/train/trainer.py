@@ -270,9 +270,12 @@ class Trainer:
         [labelled; weak views; strong views] (`fixmatch.py`), divided by `parts`; and its sums."""
         raise_bad_images(batch.errors)
         raise_bad_images(unlabelled.errors)
-        views = unlabelled.images  # N x 2 x H x W x C: weak, strong
-        x = to_model_input(torch.cat([batch.images, views[:, 0], views[:, 1]]), self.ctx.device,
-                           self.cfg.model.channels_last, normalising(self.cfg.data))
+        # each pinned batch copied as it is, then joined on the device (a cat on the host would make a
+        # pageable tensor, whose copy to a GPU is synchronous); views: N x 2 x H x W x C, weak then strong
+        device = self.ctx.device
+        views = unlabelled.images.to(device, non_blocking=True)
+        images = torch.cat([batch.images.to(device, non_blocking=True), views[:, 0], views[:, 1]])
+        x = to_model_input(images, device, self.cfg.model.channels_last, normalising(self.cfg.data))
         y = batch.labels.to(self.ctx.device, non_blocking=True)
         hidden = unlabelled.labels.to(self.ctx.device, non_blocking=True)
         teacher = self.teacher_logits(x[len(y):len(y) + len(views)]) if self.semi.ema_teacher else None

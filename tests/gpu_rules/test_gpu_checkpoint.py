@@ -23,6 +23,7 @@ class KeptStore:
     """A CheckpointStore that keeps the state it is given (fake tensors cannot be written)."""
 
     folder = Path("checkpoints")
+    mirror = None  # no bucket
 
     def __init__(self) -> None:
         self.state: dict[str, Any] = {}

@@ -104,3 +104,30 @@ def test_powersgd_compresses_on_the_gpu_after_its_warmup(gpu):
     assert all(shapes[0][:2] == ("cuda:3", "torch.float32") and shapes[0][2] != (bucket,)
                for _, shapes in compressed)
     assert ("synchronize", 3) in gpu.cuda.calls  # PowerSGD's, on this rank's device
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_fixmatch_step_with_an_ema_teacher_stays_on_the_gpu_and_reads_nothing(gpu, precision):
+    """FixMatch's one forward of labelled + weak + strong views (pinned uint8 from the loader), the EMA
+    teacher's pseudo-labels, the mask and its sums: all on cuda:3, no host read in the step."""
+    from dataclasses import replace
+
+    from ddp_cli.data.pipeline.loaders import Batch
+    from ddp_cli.distributed.setup import DistContext, choose_device, seed_everything
+    from ddp_cli.train.trainer import Trainer
+    from gpu_rules.gpu_parts import tiny_loaders, tiny_net
+    from gpu_rules.node import RANK, WORLD
+
+    cfg = gpu_config(train={"precision": precision, "ema_decay": 0.9},
+                     semi={"method": "fixmatch", "mu": 2, "threshold": 0.0, "ema_teacher": True})
+    seed_everything(cfg.seed)
+    ctx = DistContext(RANK, WORLD, RANK, WORLD, choose_device("nccl", RANK), "nccl")
+    loaders = tiny_loaders()
+    trainer = Trainer(cfg, ctx, tiny_net(), replace(loaders, unlabelled=loaders.train), 2)  # FixMatch on
+    micro = micro_batches(trainer)
+    views = torch.randint(0, 256, (2 * len(micro[0].labels), 2, 8, 8, 3), dtype=torch.uint8).pin_memory()
+    unlabelled = Batch(views, torch.full((len(views),), -1, dtype=torch.long).pin_memory(),
+                       [""] * len(views), [""] * len(views))
+    sums = trainer.train_step(micro, [unlabelled])
+    assert trainer.semi is not None and not off_the_gpu([sums, *trainer.model.module.state_dict().values()])
+    assert not gpu.reads

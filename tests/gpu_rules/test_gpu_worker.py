@@ -57,7 +57,7 @@ def test_a_training_job_runs_its_epoch_on_the_gpu(gpu, worker_env, monkeypatch, 
     """train_job as a worker runs it; the host reads it makes (a logging window, the replica check, the
     validation totals, the checkpoint's running loss) are allowed here and counted by fault 5's test."""
     pins = []
-    monkeypatch.setattr(training, "build_loaders", loaders_recording(pins))
+    monkeypatch.setattr(training, "build_semi_loaders", loaders_recording(pins))
     monkeypatch.setattr(training, "build_model", lambda *args: tiny_net())
     cfg = gpu_config(train={"ema_decay": 0.9, "precision": "bf16"}, model={"channels_last": True})
     ctx = DistContext(RANK, WORLD, RANK, WORLD, choose_device("nccl", RANK), "nccl")
