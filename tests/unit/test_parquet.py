@@ -42,6 +42,15 @@ def write_rows(path: Path, images: list[dict | None], labels: list[int | None], 
     pq.write_table(pa.table(table), path, row_group_size=2)
 
 
+def row_group_reads(monkeypatch, with_columns: bool = False) -> list:
+    """Every row group pyarrow reads from now on (with the columns asked for, if `with_columns`)."""
+    reads = []
+    original = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, g, **kw: reads.append(
+        (g, kw["columns"]) if with_columns else g) or original(self, g, **kw))
+    return reads
+
+
 @pytest.mark.parametrize(("path", "split"), [
     ("data/train-00000-of-00294.parquet", "train"), ("data/validation-00003-of-00014.parquet", "val"),
     ("val-0.parquet", "val"), ("valid-00000.parquet", "val"), ("test-00000-of-00028.parquet", "test"),
@@ -166,10 +175,7 @@ def test_dataset_info_is_read_flat_or_under_its_config_and_bad_json_is_named(tmp
 def test_loader_reads_a_row_group_once_and_keeps_a_bounded_few(hub, monkeypatch):
     root, labels = hub
     train = build_index(FS, str(root), "parquet").splits["train"]
-    reads = []
-    original = pq.ParquetFile.read_row_group
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
-                        lambda self, g, **kw: reads.append((g, kw["columns"])) or original(self, g, **kw))
+    reads = row_group_reads(monkeypatch, with_columns=True)
     reader = open_reader(FS, str(root), train, window=1)  # keeps 3 row groups
     assert isinstance(reader, ParquetReader)
     for row in range(len(train)):  # in file order: each group read once, with the image column alone
@@ -184,10 +190,7 @@ def test_the_training_order_reads_each_row_group_once_per_epoch(hub, monkeypatch
     """The shards' windows over row groups: a window's rows shuffled together, its groups kept meanwhile."""
     root, _ = hub
     train = build_index(FS, str(root), "parquet").splits["train"]
-    reads = []
-    original = pq.ParquetFile.read_row_group
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
-                        lambda self, g, **kw: reads.append(g) or original(self, g, **kw))
+    reads = row_group_reads(monkeypatch)
     dataset = ImageDataset(FS, str(root), train, lambda image: image.size, "error", window=2)
     sampler = ShardSampler(len(train), 0, 1, shuffle=True, seed=5, batch_size=4, shards=train.starts,
                            window=2)
@@ -362,10 +365,7 @@ def test_loader_processes_of_a_node_decode_each_row_group_once_between_them(hub,
 
     root, _ = hub
     train = build_index(FS, str(root), "parquet").splits["train"]
-    reads = []
-    original = pq.ParquetFile.read_row_group
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
-                        lambda self, g, **kw: reads.append(g) or original(self, g, **kw))
+    reads = row_group_reads(monkeypatch)
     alone = open_reader(FS, str(root), train)
     expected = [alone.read(train.paths[r], train.members[r]) for r in range(len(train))]
     reads.clear()
