@@ -37,7 +37,8 @@ def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | N
     index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image,
                         entry.csv)
     if entry.unlabeled and cfg.semi.on() and "train" in splits:  # FixMatch's images nobody labelled
-        index.splits[UNLABELED] = unlabeled_split(fs, root, entry.unlabeled)
+        index.splits[UNLABELED] = unlabeled_split(fs, root, entry.layout, entry.unlabeled,
+                                                 cfg.data.on_bad_image)
     for split, frame in index.splits.items():
         if not len(frame):
             raise ConfigError(f"data set {entry.name!r}: the {split} split has no images "

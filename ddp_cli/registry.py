@@ -73,8 +73,9 @@ class DatasetEntry(BaseModel):
     csv: CsvListing | None = Field(None, description='layout = "csv": the listing and its columns '
                                    "([datasets.csv]); unset, the defaults.")
     unlabeled: str | None = Field(None, description="A split of images nobody labelled, whatever the layout: "
-                                  "a folder under the root, every image under it (semi.method = "
-                                  "\"fixmatch\" learns from it).")
+                                  "a folder under the root, every image under it; with layout shards a split "
+                                  "of index.json, with parquet the files <name>-*.parquet (their labels "
+                                  "ignored). semi.method = \"fixmatch\" learns from it.")
 
     @field_validator("layout")
     @classmethod

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import ddp_in_process
-from synthetic import image, make_imagefolder, write_registry
+from synthetic import image, make_imagefolder, write_hf_parquet, write_registry
 
 from ddp_cli.config import DataConfig, RunConfig, SemiConfig, config_from_dict
 from ddp_cli.data.pipeline.sampler import ShardSampler
@@ -331,3 +333,58 @@ def test_the_trainer_batches_labelled_weak_and_strong_in_one_forward_with_the_em
     assert sizes == [b + 2 * mu * b] * steps * accum and taught == [mu * b] * steps * accum
     assert semi["mask_rate"] == 1.0  # threshold 0: every pseudo-label counts
     assert (trainer.state.unlabelled_epoch, trainer.state.unlabelled_seen) == (1, 6)  # 20 // 6 = 3 a pass
+
+
+UNLABELLED_IMAGES = 12  # per layout below: 3 steps of 2 ranks x batch 2 x mu 1, a pass with none dropped
+
+
+@pytest.fixture(scope="module")
+def unlabeled_elsewhere(tmp_path_factory) -> Path:
+    """A registry of two entries whose unlabeled split is no folder: `packed` (shards written by `pack`
+    from an imagefolder with an unlabeled/ split, its labels ignored) and `hub` (Parquet, files
+    `unlabeled-*`, one with a label column, the other without)."""
+    import pyarrow.parquet as pq
+
+    from ddp_cli.data.pack.writer import PackOptions, Source, pack, pack_index
+
+    folder = tmp_path_factory.mktemp("unlabeled-elsewhere")
+    source = folder / "source"
+    make_imagefolder(source, classes=2, per_class=2, size=8)
+    for i in range(UNLABELLED_IMAGES):
+        (source / f"unlabeled/class_{i % 2}").mkdir(parents=True, exist_ok=True)
+        image(i, i % 2, 8).save(source / f"unlabeled/class_{i % 2}/u{i}.png")
+    fs, splits = fsspec.filesystem("file"), ("train", "val", "unlabeled")
+    pack(Source(fs, str(source), "src", "imagefolder", str(source)),
+         pack_index(fs, str(source), "imagefolder", splits, "error"), str(folder / "packed"),
+         PackOptions(splits=splits, shard_mib=0.001), 1)
+    write_hf_parquet(folder / "hub", {"train": 4, "validation": 2, "unlabeled": UNLABELLED_IMAGES},
+                     classes=2, row_group=2, size=8)
+    unlabelled_file = folder / "hub/data/unlabeled-00001-of-00002.parquet"
+    pq.write_table(pq.read_table(unlabelled_file).drop_columns(["label"]), unlabelled_file, row_group_size=2)
+    return write_registry(folder, [{"name": name, "layout": layout, "unlabeled": "unlabeled",
+                                    "storage": {"driver": "FileSystem", "path": str(folder / name)}}
+                                   for name, layout in (("packed", "shards"), ("hub", "parquet"))])
+
+
+@pytest.mark.parametrize("dataset", ["packed", "hub"])
+def test_an_unlabeled_split_of_packed_shards_or_parquet_loads_and_is_dealt_once_a_pass(unlabeled_elsewhere,
+                                                                                        dataset):
+    cfg = semi_config(method="fixmatch", mu=1).resolved({"data.dataset": dataset})
+    entry, index = resolve_dataset(cfg, str(unlabeled_elsewhere))
+    unlabeled = index.splits["unlabeled"]
+    assert len(unlabeled) == UNLABELLED_IMAGES and set(unlabeled.labels.tolist()) == {-1}
+    assert len(index.splits["train"]) == 4 and set(index.splits["train"].labels.tolist()) == {0, 1}
+    fs, root = entry.open()
+    dealt = []
+    for rank in range(2):
+        loaders = build_semi_loaders(cfg, fs, root, index, rank, 2, pin_memory=False)
+        batches = iter(loaders.unlabelled)
+        for _ in range(3):  # a pass: 12 images in 3 micro-steps of 2 ranks x 2
+            batch = next(batches)
+            assert batch.images.shape == (2, 2, 8, 8, 3) and batch.labels.tolist() == [-1, -1]
+            assert list(batch.skipped) == ["", ""] and list(batch.errors) == ["", ""]  # each image read
+            assert batch.images.float().std() > 0  # no blank stand-in
+        stream = iter(loaders.unlabelled_stream)
+        dealt += [next(stream) for _ in range(3 * 2)]
+    assert sorted(index for index, _, _ in dealt) == list(range(UNLABELLED_IMAGES))  # once each, pass 0
+    assert {epoch for _, epoch, _ in dealt} == {0}

@@ -18,11 +18,10 @@ from ddp_cli.data.fetch.retry import with_retries
 from ddp_cli.data.sources import csv_layout, imagefolder, imagenet_loc
 from ddp_cli.data.sources.csv_layout import CSV, CsvListing
 from ddp_cli.data.sources.parquet import PARQUET, parquet_table
-from ddp_cli.data.sources.shards import shards_table
+from ddp_cli.data.sources.shards import SHARDS, shards_table
 from ddp_cli.data.sources.table import SPLITS, IndexTable, Listing, from_listing
 from ddp_cli.errors import ConfigError, DataError
 
-SHARDS = "shards"  # written by `ddp datasets pack` (shards.py): an index, not a listing of files
 Reader = Callable[[fsspec.AbstractFileSystem, str, int | list[str] | None, tuple[str, ...], str], IndexTable]
 
 

@@ -5,7 +5,9 @@ The files are `datasets`' Parquet: an image column (a struct of `bytes` and/or
 file names, anywhere under the root (ImageNet-1k: `data/train-00000-of-00294.parquet`,
 `data/validation-*`, `data/test-*`), or from the folder a file is in
 (`train/0000.parquet`): `train-*` is train, `validation-*`, `valid-*` and `val-*`
-are val, `test-*` is test. Class names, first found: the features in the
+are val, `test-*` is test; a registry entry's `unlabeled` names one more
+(`unlabeled-*`: images nobody labelled, every row kept, its label column, if any,
+not read). Class names, first found: the features in the
 README.md's YAML front matter (`class_label: names:`), `dataset_info.json`, the
 features `datasets` writes into each file's schema, a `classes.txt` (a name per
 line, line i for label i); else the labels themselves ("0", "1", ...).
@@ -38,30 +40,34 @@ from ddp_cli.data.sources.table import IndexTable, select_classes
 from ddp_cli.errors import DataError, require_extra
 
 SPLIT_OF = {"train": "train", "validation": "val", "valid": "val", "val": "val", "test": "test"}
-SPLIT_NAME = re.compile(r"^(train|validation|valid|val|test)(?:[-_.].*)?$")
 LABEL = "label"  # the class index column: what `datasets` names a ClassLabel by default
 CLASSES_FILE = "classes.txt"
 README, DATASET_INFO = "README.md", "dataset_info.json"
 READERS = 16  # files whose metadata and labels are read at once (remote: one request each at a time)
 
 
-def split_of(path: str) -> str | None:
-    """The split a Parquet file under the root belongs to, from its name or else its folder's."""
+def split_of(path: str, extra: tuple[str, ...] = ()) -> str | None:
+    """The split a Parquet file under the root belongs to, from its name or else its folder's; `extra`:
+    split names besides the usual ones, each its own split (`unlabeled`)."""
+    splits = {**SPLIT_OF, **{name: name for name in extra}}
+    pattern = re.compile(rf"^({'|'.join(map(re.escape, splits))})(?:[-_.].*)?$")
     *folders, name = path.split("/")
     for candidate in (name.removesuffix(".parquet"), *(folders[-1:])):
-        match = SPLIT_NAME.match(candidate)
+        match = pattern.match(candidate)
         if match:
-            return SPLIT_OF[match.group(1)]
+            return splits[match.group(1)]
     return None
 
 
-def parquet_files(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, list[str]]:
-    """Per split, its Parquet files under `root` (relative, sorted: shard 00000 first)."""
+def parquet_files(fs: fsspec.AbstractFileSystem, root: str,
+                  extra: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Per split, its Parquet files under `root` (relative, sorted: shard 00000 first); `extra` as
+    `split_of`'s."""
     found = with_retries(lambda: fs.find(root), root)
     prefix = fs._strip_protocol(root).rstrip("/") + "/"
     files: dict[str, list[str]] = {}
     for path in sorted(p.removeprefix(prefix) for p in found if p.endswith(".parquet")):
-        split = split_of(path)
+        split = split_of(path, extra)
         if split and not any(part.startswith(".") for part in path.split("/")):
             files.setdefault(split, []).append(path)
     return files
@@ -77,8 +83,9 @@ class FileRows:
     unsafe: list[tuple[int, str]] = field(default_factory=list)
 
 
-def read_rows(fs: fsspec.AbstractFileSystem, root: str, file: str, label: str) -> FileRows:
-    """`file`'s row groups and labels (the label column alone: no image is read); DataError naming the
+def read_rows(fs: fsspec.AbstractFileSystem, root: str, file: str, label: str | None) -> FileRows:
+    """`file`'s row groups and labels (the label column alone: no image is read; `label` None: none read,
+    every row's label -1); DataError naming the
     file and the column when a column is missing, or the file when it is no readable Parquet (cut
     short, corrupted: pyarrow's OSError or ArrowException, found by the fuzz suite)."""
     where = f"{root}/{file}"
@@ -94,13 +101,17 @@ def read_rows(fs: fsspec.AbstractFileSystem, root: str, file: str, label: str) -
         raise DataError(f"{where}: not a readable Parquet file ({first}); fetch it again") from e
 
 
-def file_rows(parquet: Any, where: str, label: str) -> FileRows:
+def file_rows(parquet: Any, where: str, label: str | None) -> FileRows:
     """`read_rows` of the opened file."""
     schema = parquet.schema_arrow
     image, names = image_column(schema), ", ".join(schema.names)
     if image is None:
         raise DataError(f"{where}: no image column (a struct of bytes and/or path, as `datasets` writes "
                         f"its Image feature); its columns: {names}")
+    meta = parquet.metadata
+    groups = np.array([meta.row_group(g).num_rows for g in range(meta.num_row_groups)], dtype=np.int64)
+    if label is None:
+        return FileRows(groups, np.full(int(groups.sum()), -1, np.int64), unsafe_rows(parquet, image, groups))
     if label not in schema.names:
         raise DataError(f"{where}: no column {label!r} (its columns: {names}); layout parquet reads the "
                         "class index from it")
@@ -108,8 +119,6 @@ def file_rows(parquet: Any, where: str, label: str) -> FileRows:
 
     if not pa.types.is_integer(schema.field(label).type):
         raise DataError(f"{where}: column {label!r} holds {schema.field(label).type}, not class indices")
-    meta = parquet.metadata
-    groups = np.array([meta.row_group(g).num_rows for g in range(meta.num_row_groups)], dtype=np.int64)
     labels = with_retries(lambda: parquet.read(columns=[label]).column(label), where)
     return FileRows(groups, labels.fill_null(-1).to_numpy().astype(np.int64),
                     unsafe_rows(parquet, image, groups))
@@ -151,14 +160,7 @@ def parquet_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[
                             f"{found_splits(files)}")
     label = LABEL
     wanted = [(name, file) for name in splits for file in files[name]]
-    with ThreadPoolExecutor(min(READERS, len(wanted))) as pool:
-        rows = dict(zip(wanted, pool.map(lambda item: read_rows(fs, root, item[1], label), wanted),
-                        strict=True))
-    unsafe = [f"{file}{ROW_MARK}{row}: image path {path!r}" for (_, file), r in rows.items()
-              for row, path in r.unsafe]
-    if unsafe and on_bad_image == "error":
-        raise DataError(f"{root}/{unsafe[0]}: {UNSAFE_PATH}, never read ({len(unsafe)} such row(s)); fix "
-                        'the data, or set data.on_bad_image = "skip" to skip them')
+    rows, unsafe = read_files(fs, root, wanted, label, on_bad_image)
     names = class_names(fs, root, label, first_schema(fs, root, wanted[0][1]))
     if names is None:
         top = max((int(r.labels.max()) for r in rows.values() if len(r.labels)), default=-1)
@@ -174,8 +176,37 @@ def parquet_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[
     return IndexTable([names[i] for i in keep], [names[i] for i in keep], out, problems, unsafe)
 
 
-def split_rows(files: list[tuple[str, FileRows]], relabel: np.ndarray) -> tuple[Split, list[dict[str, str]]]:
-    """One split's rows, grouped by row group in file order, and the rows left out for their label."""
+def parquet_unlabeled(fs: fsspec.AbstractFileSystem, root: str, name: str, on_bad_image: str) -> Split:
+    """Split `name` of a Parquet root (files `<name>-*`, or in a folder so named) as images nobody
+    labelled: every row, of label -1, the label column not read."""
+    found = parquet_files(fs, root, (name,))
+    files = found.get(name)
+    if not files:
+        raise DataError(f"{root}: no Parquet files of the unlabeled split {name!r} (named {name}-* anywhere "
+                        f"under the root, or in a folder so named); found: {found_splits(found)}")
+    rows, _ = read_files(fs, root, [(name, file) for file in files], None, on_bad_image)
+    return split_rows([(file, rows[name, file]) for file in files], None)[0]
+
+
+def read_files(fs: fsspec.AbstractFileSystem, root: str, wanted: list[tuple[str, str]], label: str | None,
+               on_bad_image: str) -> tuple[dict[tuple[str, str], FileRows], list[str]]:
+    """`read_rows` of each (split, file), several at once, and the rows whose image path is unsafe
+    (`file#row: image path '...'`): a DataError under on_bad_image "error", else left to the loader."""
+    with ThreadPoolExecutor(min(READERS, len(wanted))) as pool:
+        rows = dict(zip(wanted, pool.map(lambda item: read_rows(fs, root, item[1], label), wanted),
+                        strict=True))
+    unsafe = [f"{file}{ROW_MARK}{row}: image path {path!r}" for (_, file), r in rows.items()
+              for row, path in r.unsafe]
+    if unsafe and on_bad_image == "error":
+        raise DataError(f"{root}/{unsafe[0]}: {UNSAFE_PATH}, never read ({len(unsafe)} such row(s)); fix "
+                        'the data, or set data.on_bad_image = "skip" to skip them')
+    return rows, unsafe
+
+
+def split_rows(files: list[tuple[str, FileRows]],
+               relabel: np.ndarray | None) -> tuple[Split, list[dict[str, str]]]:
+    """One split's rows, grouped by row group in file order, and the rows left out for their label;
+    `relabel` None: an unlabelled split, every row kept, of label -1."""
     sizes = np.concatenate([r.groups for _, r in files]) if files else np.zeros(0, np.int64)
     group_of = np.repeat(np.arange(len(sizes)), sizes)
     group_starts = np.concatenate([[0], np.cumsum(sizes)])
@@ -183,10 +214,13 @@ def split_rows(files: list[tuple[str, FileRows]], relabel: np.ndarray) -> tuple[
     file_of = np.repeat(np.arange(len(files)), [int(r.groups.sum()) for _, r in files])
     firsts = np.concatenate([[0], np.cumsum([len(r.groups) for _, r in files])])  # first group of each file
     labels = np.concatenate([r.labels for _, r in files]) if files else group_of
-    known = (labels >= 0) & (labels < len(relabel))
-    mapped = np.where(known, relabel[np.clip(labels, 0, max(len(relabel) - 1, 0))], -1) if len(relabel) \
-        else np.full(len(labels), -1)
-    chosen = np.flatnonzero(mapped >= 0)
+    if relabel is None:
+        known, mapped, chosen = np.ones(len(labels), bool), labels, np.arange(len(labels))
+    else:
+        known = (labels >= 0) & (labels < len(relabel))
+        mapped = np.where(known, relabel[np.clip(labels, 0, max(len(relabel) - 1, 0))], -1) if len(relabel) \
+            else np.full(len(labels), -1)
+        chosen = np.flatnonzero(mapped >= 0)
     names = [file for file, _ in files]
     problems = [{"path": f"{names[file_of[i]]}{ROW_MARK}{in_file[i]}",
                  "reason": "no label" if labels[i] < 0 else f"label {labels[i]} is not a class"}

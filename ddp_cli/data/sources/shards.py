@@ -30,6 +30,7 @@ from ddp_cli.data.sources.table import IndexTable, select_classes
 from ddp_cli.errors import DataError
 from ddp_cli.userfiles import decode, parse_json
 
+SHARDS = "shards"  # the layout: written by `ddp datasets pack`, an index, not a listing of files
 FORMAT, VERSION = "ddp-shards", 1
 INDEX = "index.json"
 # what np.load and its zip reader raise on a file cut short or altered (a zip "version" it does not
@@ -223,21 +224,26 @@ def shards_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[s
     keep = select_classes(meta.synsets, meta.descriptions, classes)
     relabel = np.full(len(meta.synsets), -1, dtype=np.int64)
     relabel[keep] = np.arange(len(keep))
-    out = {}
-    for name in splits:
-        if name not in meta.splits:
-            raise DataError(f"{root}/{INDEX}: no {name} split (it holds {', '.join(meta.splits)}); pack "
-                            "it with `ddp datasets pack ... --split all`")
-        info, samples = meta.splits[name], read_samples(fs, root, name)
-        samples.check(len(meta.synsets), len(info.shards), f"{root}/{samples_name(name)}")
-        labels = relabel[samples.label]
-        chosen = np.flatnonzero(labels >= 0)
-        shard_names = [s.name for s in info.shards]
-        paths = (f"{shard_names[samples.shard[i]]}/{samples.member[i]}" for i in chosen)
-        members = np.stack([samples.offset, samples.size], 1)[chosen]
-        starts = np.searchsorted(samples.shard[chosen], np.arange(len(shard_names) + 1))
-        out[name] = Split.of(paths, labels[chosen], members, starts)
+    out = {name: packed_split(fs, root, meta, name, relabel) for name in splits}
     return IndexTable([meta.synsets[i] for i in keep], [meta.descriptions[i] for i in keep], out)
+
+
+def packed_split(fs: fsspec.AbstractFileSystem, root: str, meta: ShardsIndex, name: str,
+                 relabel: np.ndarray | None) -> Split:
+    """Split `name` of the shards root: its rows of the classes `relabel` keeps (old label -> new, -1: left
+    out); `relabel` None: every row, of label -1 (an unlabelled split, whatever labels it was packed with)."""
+    if name not in meta.splits:
+        raise DataError(f"{root}/{INDEX}: no {name} split (it holds {', '.join(meta.splits)}); pack "
+                        "it with `ddp datasets pack ... --split all`")
+    info, samples = meta.splits[name], read_samples(fs, root, name)
+    samples.check(len(meta.synsets), len(info.shards), f"{root}/{samples_name(name)}")
+    labels = relabel[samples.label] if relabel is not None else np.full(len(samples), -1, dtype=np.int64)
+    chosen = np.flatnonzero(labels >= 0) if relabel is not None else np.arange(len(samples))
+    shard_names = [s.name for s in info.shards]
+    paths = (f"{shard_names[samples.shard[i]]}/{samples.member[i]}" for i in chosen)
+    members = np.stack([samples.offset, samples.size], 1)[chosen]
+    starts = np.searchsorted(samples.shard[chosen], np.arange(len(shard_names) + 1))
+    return Split.of(paths, labels[chosen], members, starts)
 
 
 def describe(meta: ShardsIndex) -> dict[str, Any]:
