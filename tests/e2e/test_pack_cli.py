@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import s3fs
-import test_s3
 from PIL import Image
 from synthetic import make_imagefolder, plant, write_registry
 from typer.testing import CliRunner
@@ -21,7 +20,6 @@ from ddp_cli.data.pack.destination import Destination
 from ddp_cli.data.pack.writer import Packer
 from ddp_cli.data.sources.shards import INDEX, read_index, read_samples
 
-s3_endpoint, aws = test_s3.s3_endpoint, test_s3.aws  # the loopback S3 server and fake credentials
 BUCKET = "ddp-pack-test"
 QUIRKS = {"train/class_0/img_0.jpg": "cmyk", "train/class_0/img_1.jpg": "gray",
           "train/class_1/img_0.jpg": "png"}

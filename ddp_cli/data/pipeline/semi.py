@@ -87,7 +87,7 @@ def check_unlabelled(images: int, world_size: int, cfg: RunConfig) -> None:
     """A pass over the unlabelled split holds at least one micro-step of every rank."""
     if images < world_size * cfg.data.batch_size * cfg.semi.mu:
         raise ConfigError(f"semi.mu: the {images} unlabelled images are fewer than one step takes "
-                          f"({world_size} workers x batch_size {cfg.data.batch_size} x mu {cfg.semi.mu}); "
+                          f"(world size {world_size} x batch_size {cfg.data.batch_size} x mu {cfg.semi.mu}); "
                           "lower semi.mu or data.batch_size")
 
 
