@@ -258,8 +258,8 @@ def test_the_dry_run_refuses_what_the_data_set_cannot_give_in_one_line(with_unla
         ("semi.labels_per_class=7",): "semi.labels_per_class: class 0 of the train split has 6 images, fewer "
                                       "than 7; lower semi.labels_per_class",
         ("semi.method=fixmatch", "semi.mu=11"): "semi.mu: the 20 unlabelled images are fewer than one step "
-                                                "takes (world size 1 x batch_size 2 x mu 11); lower semi.mu or "
-                                                "data.batch_size"}
+                                                "takes (world size 1 x batch_size 2 x mu 11); lower semi.mu "
+                                                "or data.batch_size"}
     for keys, line in refusals.items():
         result = ddp_in_process("train", str(config), "--registry", str(with_unlabeled), "--dry-run",
                                 *(arg for key in keys for arg in ("--set", key)))
