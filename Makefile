@@ -12,13 +12,14 @@ MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 setup: $(STAMP)
 
-# pip >= 25.1 reads PEP 735 dependency groups (--group). --no-compile: pip would byte-compile all ~19,000
-# modules of the venv (torch's CUDA wheels included) one by one; Python compiles the ones imported on first
-# use instead (measured on 2 cores: 375 s + 28 s first import against 192 s + 55 s).
+# pip >= 25.1 reads PEP 735 dependency groups (--group). pip byte-compiles what it installs: keep it so. With
+# --no-compile the install took 192 s instead of 375 s here, but where PYTHONDONTWRITEBYTECODE=1 (CI's
+# containers set it) no .pyc is ever written afterwards, and every interpreter the tests start compiles
+# torch afresh (~55 s of CPU each): the end-to-end tests ran past 20 minutes.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade 'pip>=25.1'
-	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[all]' --group test --group docs
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[all]' --group test --group docs
 	touch $(STAMP)
 
 # After a passing `make test` with newer packages: pin what passed.
