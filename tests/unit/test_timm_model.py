@@ -196,3 +196,11 @@ def test_inputs_are_normalised_by_the_runs_mean_and_std(hf_home, tmp_path):
     pixels = torch.full((1, 2, 2, 3), 255, dtype=torch.uint8)
     x = to_model_input(pixels, torch.device("cpu"), False, normalising(config(tmp_path).data))
     assert torch.allclose(x, torch.ones_like(x))  # (1 - 0.5) / 0.5
+
+
+def test_a_timm_model_from_scratch_reads_no_cache(hf_home, tmp_path):
+    """Only pretrained weights are looked up: a timm model trained from scratch loads with an empty
+    Hugging Face cache, its name and data keys as written."""
+    (tmp_path / "run.toml").write_text(f'[model]\nname = "{NAME}"\n')
+    cfg = load_config(tmp_path / "run.toml")
+    assert cfg.model.name == NAME and cfg.model.source is None
