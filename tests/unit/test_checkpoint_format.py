@@ -91,6 +91,18 @@ def test_loading_names_the_file_in_migrations_errors(tmp_path):
         load_checkpoint(path)
 
 
+@pytest.mark.parametrize(("field", "value", "kind"),
+                         [("classes", "n01", "str"), ("global_batch", True, "bool")])
+def test_a_field_of_the_wrong_type_is_refused_by_name_before_migrating(tmp_path, field, value, kind):
+    """A bool is an int to isinstance, so it is refused on its own; either way the line names the field."""
+    path = tmp_path / "odd.pt"
+    save_checkpoint({**written_at(3), field: value}, path)
+    with pytest.raises(DataError) as refused:
+        load_checkpoint(path)
+    assert str(refused.value) == (f"{path}: not a ddp checkpoint ({field} is a {kind}); use another "
+                                  "checkpoint (--resume auto picks a valid one)")
+
+
 def test_a_file_without_training_state_keeps_none():
     state = migrate({"format": 1, "classes": CLASSES, "config": {}})  # e.g. what a test hands validate
     assert state == {"format": 1, "classes": CLASSES, "config": {}, "descriptions": CLASSES,

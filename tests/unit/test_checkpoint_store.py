@@ -12,7 +12,15 @@ import torch
 
 from ddp_cli.errors import DataError
 from ddp_cli.train import checkpoint
-from ddp_cli.train.checkpoint import CheckpointStore, load_checkpoint, verify, write_manifest
+from ddp_cli.train.checkpoint import (
+    CheckpointStore,
+    load_checkpoint,
+    manifest_path,
+    read_manifest,
+    tensor_bytes,
+    verify,
+    write_manifest,
+)
 
 TOP1 = [0.5, 0.9, 0.7, 0.6, 0.8, 0.85]  # best at step 2, never beaten; last at step 6
 
@@ -146,3 +154,43 @@ def test_pruning_passes_over_a_missing_manifest_and_a_file_another_writer_pruned
     store.steps = lambda: [store.path_for(0), *listed()]  # step 0: gone since it was listed
     store.save({"step": 2}, {"epoch": 2, "step": 2}, best=False)
     assert [p.name for p in listed()] == ["step-000000002.pt"]
+
+
+def test_an_interrupt_while_linking_an_alias_stays_one_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """Ctrl-C before the link exists: the cleanup must not turn it into "no such file" (exit 1)."""
+    def interrupted(source, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "link", interrupted)
+    store = CheckpointStore(tmp_path, 1)
+    with pytest.raises(KeyboardInterrupt):
+        store.save({"step": 1}, {"epoch": 1, "step": 1}, best=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001.pt", "step-000000001.pt.json"]
+
+
+GOOD = {"file": "x.pt", "sha256": "ab", "bytes": 7, "step": 3}
+
+
+@pytest.mark.parametrize("manifest", [
+    {**GOOD, "sha256": 1}, {**GOOD, "bytes": "7"}, {**GOOD, "bytes": 7.0}, {**GOOD, "step": "3"},
+    {**GOOD, "step": True}, [GOOD], "x.pt"], ids=lambda m: str(m)[:40])
+def test_a_manifest_with_a_field_of_the_wrong_type_is_none(tmp_path, manifest):
+    """Not a manifest, so its checkpoint is untrusted ("no manifest"), and --resume auto's ordering
+    by step never meets a step that is no number."""
+    path = tmp_path / "x.pt"
+    manifest_path(path).write_text(json.dumps(manifest))
+    assert read_manifest(path) is None
+
+
+def test_a_manifest_without_a_step_is_one(tmp_path):
+    path = tmp_path / "x.pt"
+    manifest = {"file": "x.pt", "sha256": "ab", "bytes": 7}
+    manifest_path(path).write_text(json.dumps(manifest))
+    assert read_manifest(path) == manifest
+
+
+def test_tensor_bytes_counts_every_tensor_in_nested_containers_and_nothing_else():
+    state = {"model": {"w": torch.zeros(3), "b": torch.zeros(2, dtype=torch.float64)},
+             "rng": [torch.zeros(5, dtype=torch.uint8), (torch.zeros(1, dtype=torch.int16), 7)],
+             "step": 3, "classes": ["n01"], "top1": None}
+    assert tensor_bytes(state) == 12 + 16 + 5 + 2

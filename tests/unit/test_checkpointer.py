@@ -141,6 +141,56 @@ def test_a_stop_ends_the_run_only_once_its_checkpoint_is_on_disk(tmp_path):
     assert verify(store.path_for(7)) is None  # written and checked before the error was raised
 
 
+class RecordingMirror:
+    """A bucket's mirror as the store sees it (run.mirror.BucketMirror): what it was told, in order."""
+
+    url = "s3://bucket/runs/a"
+
+    def __init__(self) -> None:
+        self.told: list[tuple] = []
+
+    def saved(self, path: Path, aliases: list[Path]) -> None:
+        self.told.append(("saved", path.name, [alias.name for alias in aliases]))
+
+    def removed(self, path: Path) -> None:
+        self.told.append(("removed", path.name))
+
+    def raise_if_failed(self) -> None: ...
+
+    def close(self) -> None:
+        self.told.append(("closed",))
+
+
+def test_a_mirror_is_told_of_each_checkpoint_and_each_pruned_one_and_a_stop_names_its_url(tmp_path):
+    mirror = RecordingMirror()
+    ckpt = Checkpointer(CheckpointStore(tmp_path, keep_last=1, mirror=mirror), stop=AgreedStop())
+    ckpt.track(progress := RunState(epoch=1, step=7))
+    ckpt.save(top1=0.5)
+    progress.step = 8
+    assert ckpt.due()
+    path = ckpt.save()
+    with pytest.raises(DdpError, match=r"the same command with --run-dir s3://bucket/runs/a resumes it$"):
+        ckpt.end_if_stopping(path)
+    ckpt.close()
+    assert mirror.told == [("saved", "step-000000007.pt", ["last.pt", "best.pt"]),
+                           ("saved", "step-000000008.pt", ["last.pt"]), ("removed", "step-000000007.pt"),
+                           ("closed",)]
+
+
+def test_a_background_write_that_fails_otherwise_than_refused_names_the_folder(tmp_path):
+    """Not a refusal (those are WriteErrors, test_disk_faults): one DataError line, exit 3."""
+    def stale(state, info, best):
+        raise OSError(errno.ESTALE, "Stale file handle")
+
+    ckpt, _, _ = checkpointer(tmp_path, background=True)
+    ckpt.store.save = stale
+    ckpt.save()
+    with pytest.raises(DataError) as failed:
+        ckpt.close()
+    assert str(failed.value) == (f"{tmp_path}: writing a checkpoint failed ([Errno {errno.ESTALE}] Stale "
+                                 "file handle); fix the folder, then resume from the last one written")
+
+
 def test_progress_round_trips_field_by_field_and_missing_parts_are_named(tmp_path):
     ckpt, _, progress = checkpointer(tmp_path, background=False)
     progress.history.append({"epoch": 1, "top1": 0.5})

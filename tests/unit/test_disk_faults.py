@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +20,7 @@ from ddp_cli.data.pack.destination import Destination
 from ddp_cli.data.pack.writer import ShardWriter
 from ddp_cli.errors import WRITE, WriteError
 from ddp_cli.exits import exits
-from ddp_cli.io import write_error, write_text
+from ddp_cli.io import size_words, write_error, write_text
 from ddp_cli.observe import sinks
 from ddp_cli.observe.report import plot
 from ddp_cli.run.jobs import write_result
@@ -104,6 +105,28 @@ def test_a_refused_manifest_removes_its_checkpoint_and_keeps_the_previous(tmp_pa
     assert_one_line(failed, manifest_path(ckpt.store.path_for(10)), code)
     assert not ckpt.store.path_for(10).exists() and verify(good) is None
     assert ckpt.store.latest_valid() == good
+
+
+def test_a_refused_alias_names_it_and_the_room_needed_and_leaves_no_partial_copy(tmp_path, monkeypatch):
+    """Where last.pt cannot be a hard link it is a copy, which a full disk can cut short."""
+    def copy_cut_short(source, target):
+        Path(target).write_bytes(b"part")
+        raise refused(errno.ENOSPC, str(target))
+
+    monkeypatch.setattr(os, "link", lambda source, target: (_ for _ in ()).throw(refused(errno.EXDEV)))
+    monkeypatch.setattr(shutil, "copyfile", copy_cut_short)
+    ckpt, _ = checkpointer(tmp_path)
+    with pytest.raises(WriteError) as failed:
+        ckpt.save()
+    message = assert_one_line(failed, tmp_path / "last.pt", errno.ENOSPC)
+    assert f"{size_words(ckpt.store.path_for(5).stat().st_size)} needed" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000005.pt", "step-000000005.pt.json"]
+
+
+def test_a_refusal_before_any_checkpoint_says_there_is_none_to_resume_from(tmp_path):
+    store = CheckpointStore(tmp_path / "run" / "checkpoints", keep_last=3)
+    said = str(store.refused(WriteError("could not write x: no space left")))
+    assert said == "could not write x: no space left; no checkpoint was written yet; make room and rerun"
 
 
 @faults
