@@ -173,7 +173,9 @@ GOOD = {"file": "x.pt", "sha256": "ab", "bytes": 7, "step": 3}
 
 @pytest.mark.parametrize("manifest", [
     {**GOOD, "sha256": 1}, {**GOOD, "bytes": "7"}, {**GOOD, "bytes": 7.0}, {**GOOD, "step": "3"},
-    {**GOOD, "step": True}, [GOOD], "x.pt"], ids=lambda m: str(m)[:40])
+    {**GOOD, "step": True}, [GOOD], "x.pt"],
+    ids=["sha256 a number", "bytes a string", "bytes a float", "step a string", "step a bool", "a list",
+         "a string"])
 def test_a_manifest_with_a_field_of_the_wrong_type_is_none(tmp_path, manifest):
     """Not a manifest, so its checkpoint is untrusted ("no manifest"), and --resume auto's ordering
     by step never meets a step that is no number."""
