@@ -111,9 +111,25 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     wrong = next((k for k, kinds in FIELDS.items()
                   if k in state and (not isinstance(state[k], kinds) or isinstance(state[k], bool))), None)
     if wrong is not None:
-        raise DataError(f"{path}: not a ddp checkpoint ({wrong} is a {type(state[wrong]).__name__}); use "
-                        "another checkpoint (--resume auto picks a valid one)")
-    return migrate(state, path)
+        raise not_ours(path, f"{wrong} is a {type(state[wrong]).__name__}")
+    state = migrate(state, path)
+    if not sums_per_rank(state.get("running", [])):
+        raise not_ours(path, "running is not a row of sums per rank, all of one width")
+    return state
+
+
+def not_ours(path: Path, why: str) -> DataError:
+    return DataError(f"{path}: not a ddp checkpoint ({why}); use another checkpoint (--resume auto picks a "
+                     "valid one)")
+
+
+def sums_per_rank(running: list) -> bool:
+    """`running` as ddp writes it (a rank's running sums, every rank's gathered: rows of one width)."""
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    return all(isinstance(row, list) and len(row) == len(running[0]) and all(map(number, row))
+               for row in running)
 
 
 # the types of the fields that loading and migrating read, where a checkpoint holds them (none is a bool)

@@ -103,6 +103,19 @@ def test_a_field_of_the_wrong_type_is_refused_by_name_before_migrating(tmp_path,
                                   "checkpoint (--resume auto picks a valid one)")
 
 
+@pytest.mark.parametrize("running", [[[1.0, 2.0], [3.0]], [[1.0, "2"]], [[1.0, True]], [1.0, 2.0]],
+                         ids=["ragged", "a string", "a bool", "not rows"])
+def test_running_sums_that_are_not_one_row_per_rank_are_refused_by_name(tmp_path, running):
+    """A hand-made file: resuming would otherwise end in a ValueError (exit 1) when the sums are spread."""
+    path = tmp_path / "odd.pt"
+    save_checkpoint({**written_at(3), "running": running}, path)
+    with pytest.raises(DataError, match=r"^.*odd\.pt: not a ddp checkpoint \(running is not a row of sums "
+                                        r"per rank, all of one width\); use another checkpoint"):
+        load_checkpoint(path)
+    save_checkpoint({**written_at(3), "running": [[1.0, 2], [3.0, 4]]}, path)  # ints and floats, as written
+    assert load_checkpoint(path)["running"] == [[1.0, 2], [3.0, 4]]
+
+
 def test_a_file_without_training_state_keeps_none():
     state = migrate({"format": 1, "classes": CLASSES, "config": {}})  # e.g. what a test hands validate
     assert state == {"format": 1, "classes": CLASSES, "config": {}, "descriptions": CLASSES,
