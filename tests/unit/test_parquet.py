@@ -379,3 +379,18 @@ def test_loader_processes_of_a_node_decode_each_row_group_once_between_them(hub,
     ParquetReader(FS, str(root), 3, shared=NodeGroups(tmp_path, keep=4)).read(train.paths[-1],
                                                                                train.members[-1])
     assert len(reads) == 7
+
+
+def test_a_node_group_file_holds_each_row_at_its_place_and_no_bytes_as_none(tmp_path):
+    """The node's copy of a group: every row's bytes (an empty image stays b""), None where the row has
+    none (its bytes or its whole image null), past the first byte of the validity bitmap and for a slice
+    of a larger array (Arrow's offsets into its parent's buffers)."""
+    from ddp_cli.data.fetch.row_groups import NodeGroups
+
+    rows = [{"bytes": bytes([i]) * i, "path": None} for i in range(12)]
+    rows[1], rows[4], rows[9] = {"bytes": None, "path": "p.jpg"}, None, {"bytes": None, "path": None}
+    images = pa.array(rows, IMAGE)
+    for start in (0, 3):
+        node = NodeGroups(tmp_path / str(start), keep=2)
+        got = [node.read("group", i, lambda start=start: images.slice(start)) for i in range(12 - start)]
+        assert got == [row and row["bytes"] for row in rows[start:]]

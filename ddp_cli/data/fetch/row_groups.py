@@ -104,7 +104,9 @@ def write_group(images: Any, target: Path) -> None:
     offsets = np.frombuffer(column.buffers()[1], dtype=wide)[column.offset:column.offset + len(column) + 1]
     header = 8 + 16 * len(column)
     spans = np.stack([offsets[:-1], offsets[1:]], 1).astype("<i8") - offsets[0] + header
-    spans[column.is_null().to_numpy(zero_copy_only=False), 0] = -1
+    if column.null_count:  # from the validity bitmap: a process's first Arrow is_null() costs ~0.4 s
+        valid = np.unpackbits(np.frombuffer(column.buffers()[0], np.uint8), bitorder="little")
+        spans[valid[column.offset:column.offset + len(column)] == 0, 0] = -1
     data = column.buffers()[2]
     partial = target.with_name(f".{target.name}.{os.getpid()}.part")
     try:
