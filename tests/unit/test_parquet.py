@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import numpy as np
@@ -218,8 +219,10 @@ def test_undecodable_bytes_and_missing_images_are_bad_images(tmp_path):
     assert [b["path"] for b in checked["bad_files"]] == [f"data/train-0.parquet#{i}" for i in range(4)]
 
 
-def test_a_path_only_row_is_read_under_the_root_and_an_unsafe_one_refused(tmp_path):
+def test_a_path_only_row_is_read_under_the_root_and_an_unsafe_one_refused(tmp_path, monkeypatch):
     from synthetic import encoded, image
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the node's copies are read by more than one process
 
     (tmp_path / "img").mkdir()
     image(1, 0).save(tmp_path / "img/a.jpg")
@@ -359,12 +362,20 @@ def test_bench_data_times_parquet_against_files_in_the_same_run(hub, tmp_path):
 
 
 def test_loader_processes_of_a_node_decode_each_row_group_once_between_them(hub, tmp_path, monkeypatch):
-    """Two loader processes (two readers, each its own NodeGroups) reading every row of the same groups,
-    as the training order has them do: each group decoded once, the other reader reads the node's copy."""
-    from ddp_cli.data.fetch.row_groups import NodeGroups
+    """Two readers of a node (two ranks here, each its own NodeGroups) reading every row of the same groups,
+    as the training order has them do: each group decoded once, the other reader reads the node's copy.
+    A node's only reader writes no copies: nobody would read them."""
+    from ddp_cli.data.fetch.row_groups import NodeGroups, readers_on_node
 
     root, _ = hub
     train = build_index(FS, str(root), "parquet").splits["train"]
+    lone = ParquetReader(FS, str(root), 3, shared=NodeGroups(tmp_path / "lone", keep=4))
+    assert lone.read(train.paths[0], train.members[0]) and not (tmp_path / "lone").exists()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(num_workers=3))
+    assert readers_on_node() == 6  # 2 ranks, 3 loader processes each
+    monkeypatch.undo()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     reads = row_group_reads(monkeypatch)
     alone = open_reader(FS, str(root), train)
     expected = [alone.read(train.paths[r], train.members[r]) for r in range(len(train))]

@@ -36,7 +36,7 @@ from typing import Any
 import fsspec
 
 from ddp_cli.data.fetch.retry import IoPolicy, with_retries
-from ddp_cli.data.fetch.row_groups import NodeGroups
+from ddp_cli.data.fetch.row_groups import NodeGroups, readers_on_node
 from ddp_cli.data.fetch.storage import (
     UNSAFE_PATH,
     FileReader,
@@ -110,6 +110,7 @@ class ParquetReader:
             keep_freed_memory()
             self._fs = filesystem_after_fork(self._fs)
         self._pid, self._lock = os.getpid(), threading.Lock()
+        self._node = self.shared if self.shared is not None and readers_on_node() > 1 else None
         self._open: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # file -> (ParquetFile, image column)
         self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()  # (file, group) -> StructArray
         self._versions: dict[str, str] = {}  # file -> `_version`
@@ -125,13 +126,11 @@ class ParquetReader:
         if escapes(file):
             raise UnsafePath(UNSAFE_PATH)
         group, row = (int(v) for v in member)
-        if self.shared is not None:  # the node's copy of the group: decoded once per node
-            with self._locked():
-                data = self.shared.read(f"{file.replace('/', '--')}.{self._version(file)}.{group}", row,
-                                        lambda: self._read_group(file, group))
-            if data is not None:
-                return data
         with self._locked():
+            if self._node is not None:  # the node's copy of the group: decoded once per node
+                name = f"{file.replace('/', '--')}.{self._version(file)}.{group}"
+                if (data := self._node.read(name, row, lambda: self._read_group(file, group))) is not None:
+                    return data
             image = self._group(file, group)[row]
         data = image["bytes"].as_py() if "bytes" in image.type.names else None  # the path only if needed
         if data is not None:

@@ -36,6 +36,16 @@ SUFFIX = ".rows"
 GROUPS = Path(tempfile.gettempdir()) / f"ddp-row-groups-{os.getuid()}"  # the user's: /tmp is everyone's
 
 
+def readers_on_node() -> int:
+    """Processes of this node reading a data set as this one does: the node's ranks (torchrun's
+    LOCAL_WORLD_SIZE) times each rank's loader processes (their count, inside one). One alone shares
+    nothing: writing its groups for nobody cost ~6 ms a group (BENCHMARKS.md, "Parquet")."""
+    from torch.utils.data import get_worker_info
+
+    loader = get_worker_info()
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) * (loader.num_workers if loader else 1)
+
+
 def group_folder(fs: fsspec.AbstractFileSystem, root: str) -> Path:
     """The node's folder of `root`'s decoded row groups (remote: per endpoint, as the shard cache)."""
     return cache_folder(fs, root, GROUPS) or GROUPS / "local" / root.lstrip("/")
