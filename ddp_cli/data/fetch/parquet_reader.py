@@ -10,7 +10,8 @@ memory does not grow with the data set) and reads each once per window. The
 training and validation loaders go further (`shared`, row_groups.py): every
 loader process of the node reads rows of every group of the window, so a group
 is decoded once per node and its images read from the node's copy (without it,
-2 loader processes trained at 0.73x the files' rate: BENCHMARKS.md, "Parquet").
+2 loader processes trained at 0.73x the files' rate: BENCHMARKS.md, "Parquet");
+unless the process is the node's only reader (`readers_on_node`).
 
 Local files are read in place. Remote ones (S3) are read by range through
 fsspec, the file's footer once per process and then one request per row group

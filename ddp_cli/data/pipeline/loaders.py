@@ -61,7 +61,7 @@ def open_reader(fs: fsspec.AbstractFileSystem, root: str, split: Split, cache_di
                 shared: bool = False) -> Reader:
     """The reader of `split`'s rows: files under the root, images inside packed shards, or rows of Parquet
     files (which keeps the `window` row groups being read and two more: the one a batch straddles into;
-    `shared`: row groups decoded once per node for all its loader processes, `shard_cache` of them kept)."""
+    `shared`: row groups decoded once per node for all its readers, `shard_cache` of them kept)."""
     if split.container == PARQUET and split.sharded:
         node = NodeGroups(group_folder(fs, root), shard_cache) if shared else None
         return ParquetReader(fs, root, window + 2, policy, node)
