@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ddp_in_process, last_json
+from conftest import KEY, SECRET, ddp_in_process, last_json
 from synthetic import readme_with_classes, write_hf_parquet, write_registry
 
 from ddp_cli.data.fetch.parquet_reader import ParquetReader
@@ -405,3 +405,35 @@ def test_a_node_group_file_holds_each_row_at_its_place_and_no_bytes_as_none(tmp_
         node = NodeGroups(tmp_path / str(start), keep=2)
         got = [node.read("group", i, lambda start=start: images.slice(start)) for i in range(12 - start)]
         assert got == [row and row["bytes"] for row in rows[start:]]
+
+
+def test_remote_row_groups_read_next_are_read_ahead_once_and_then_taken(hub, tmp_path, s3_endpoint, aws,
+                                                                     monkeypatch):
+    """From S3 the groups read next are read on a background thread (a round trip and a group's bytes off
+    the first image of a window): a node's only reader then takes them from there, readers of a shared
+    node from the node's copies; each group read once, the images those of the local files."""
+    import s3fs
+
+    from ddp_cli.data.fetch.row_groups import NodeGroups
+
+    root, _ = hub
+    train = build_index(FS, str(root), "parquet").splits["train"]
+    local = ParquetReader(FS, str(root))
+    expected = [local.read(train.paths[r], train.members[r]) for r in range(len(train))]
+    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint},
+                           skip_instance_cache=True)
+    fs.mkdir("hub-ahead")
+    fs.put(f"{root}/", "hub-ahead/hub/", recursive=True)
+    groups = sorted({(train.paths[r].split("#")[0], int(train.members[r][0])) for r in range(len(train))})
+    for sharing in ("1", "2"):  # LOCAL_WORLD_SIZE: a node's only reader, then two
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", sharing)
+        reads = row_group_reads(monkeypatch)
+        readers = [ParquetReader(fs, "hub-ahead/hub", keep=8, shared=NodeGroups(tmp_path / sharing, keep=8))
+                   for _ in range(int(sharing))]
+        readers[0].read_ahead(groups)
+        for pending in list(readers[0]._pending.values()):
+            pending.result()
+        assert len(reads) == len(groups)
+        assert [[r.read(train.paths[i], train.members[i]) for r in readers] for i in range(len(train))] == [
+            [image] * len(readers) for image in expected]
+        assert len(reads) == len(groups)  # nothing read again on demand

@@ -78,17 +78,26 @@ class NodeGroups:
     def _load(self, name: str, decode: Callable[[], Any]) -> tuple[int, np.ndarray]:
         with contextlib.suppress(FileNotFoundError):
             return self._open_file(name)
+        self.write(name, decode)
+        return self._open_file(name)
+
+    def written(self, name: str) -> bool:
+        return (self.folder / f"{name}{SUFFIX}").exists()
+
+    def write(self, name: str, decode: Callable[[], Any], wait: bool = True) -> None:
+        """Group `name` written to the folder unless a process of the node has written it; `wait=False`
+        (reading ahead): none written if another process is writing it."""
         target = self.folder / f"{name}{SUFFIX}"
         with writing(target):  # the folder's disk full: one line naming the file, in any process
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(self.folder / f".{name}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released on close
-                with contextlib.suppress(FileNotFoundError):
-                    return self._open_file(name)  # another process wrote it meanwhile
-                write_group(decode(), target)
-                opened = self._open_file(name)
+                try:  # released on close
+                    fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return
+                if not target.exists():  # else another process wrote it meanwhile
+                    write_group(decode(), target)
             self._evict()
-        return opened
 
     def _open_file(self, name: str) -> tuple[int, np.ndarray]:
         fd = os.open(self.folder / f"{name}{SUFFIX}", os.O_RDONLY)
