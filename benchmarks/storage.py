@@ -1,5 +1,6 @@
-"""The storage benchmark of BENCHMARKS.md ("Storage"): the same images as local files, local shards,
-shards packed at 256 px, S3 files and S3 shards (a loopback moto server), read by the training pipeline.
+"""The storage benchmark of BENCHMARKS.md ("Storage", "Parquet"): the same images as local files, local
+shards, shards packed at 256 px, Hugging Face-style Parquet, S3 files, S3 shards and S3 Parquet (a loopback
+moto server), read by the training pipeline.
 
     python benchmarks/storage.py /tmp/storage-bench --latency-ms 50 --workers 2 --seconds 60 [--rounds 3]
 
@@ -8,9 +9,10 @@ proxy) the other CPUs: the server's work is then not charged to the node it feed
 (on loopback it shares the node's cores: bytes served, copied by the proxy, received).
 
 It writes the images (benchmarks/make_jpegs.py: 300-500 px, photo-like), packs them with
-`ddp datasets pack` (locally, to S3, and at --max-side 256), starts moto's server, uploads the files,
-writes a data.toml with the five entries and runs `ddp bench data ... --latency-ms MS --json`, then
-prints the three ratios issue 12 asks for. Needs the test group (moto).
+`ddp datasets pack` (locally, to S3, and at --max-side 256), copies them into Parquet as the hub ships a
+data set (benchmarks/parquet.py), starts moto's server, uploads the files and the Parquet, writes a
+data.toml with the seven entries and runs `ddp bench data ... --latency-ms MS --json`, then prints the
+ratios issues 12 and 27 ask for. Needs the test group (moto).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import s3fs
 import tomli_w
 from moto.server import ThreadedMotoServer
+from parquet import to_parquet  # this folder's benchmarks/parquet.py
 
 BUCKET = "ddp-bench"
 ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
@@ -48,7 +51,7 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", help="the rows to time, e.g. files,s3_shards (the first is the baseline); "
-                        "default: files,shards,shards_256,s3_files,s3_shards")
+                        "default: files,shards,shards_256,parquet,s3_files,s3_shards,s3_parquet")
     parser.add_argument("--pipeline-cpus", help="CPUs of the measured pipeline, e.g. 0 (the server and "
                         "the proxy get the others); default: every CPU for everything")
     args = parser.parse_args()
@@ -69,6 +72,9 @@ def main() -> None:
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
     fs.mkdir(BUCKET)
     fs.put(f"{files}/", f"{BUCKET}/jpegs/", recursive=True)
+    if not (root / "parquet").exists():
+        to_parquet(files, root / "parquet")
+    fs.put(f"{root / 'parquet'}/", f"{BUCKET}/parquet/", recursive=True)
 
     def entry(name: str, path: str, layout: str, s3: bool = False) -> dict:
         storage = ({"driver": "S3", "path": path, "endpoint_url": endpoint} if s3
@@ -78,8 +84,10 @@ def main() -> None:
     entries = [entry("files", str(files), "imagenet-loc"),
                entry("shards", str(root / "shards"), "shards"),
                entry("shards_256", str(root / "shards-256"), "shards"),
+               entry("parquet", str(root / "parquet"), "parquet"),
                entry("s3_files", f"s3://{BUCKET}/jpegs", "imagenet-loc", s3=True),
-               entry("s3_shards", f"s3://{BUCKET}/shards", "shards", s3=True)]
+               entry("s3_shards", f"s3://{BUCKET}/shards", "shards", s3=True),
+               entry("s3_parquet", f"s3://{BUCKET}/parquet", "parquet", s3=True)]
     registry = root / "data.toml"
     registry.write_text(tomli_w.dumps({"data_config_version": 1, "datasets": entries[:1]}))
     for to, extra in ((str(root / "shards"), []), (str(root / "shards-256"), ["--max-side", "256"]),
@@ -110,7 +118,10 @@ def main() -> None:
                        ("s3 files batched", "s3 files serial",
                         f"S3 files batched / serial @ {ms} (target >= 5)"),
                        ("local shards@256", "local files",
-                        "local shards @ 256 px / local files (full size) (target >= 1.5)")):
+                        "local shards @ 256 px / local files (full size) (target >= 1.5)"),
+                       ("local parquet", "local files", "local Parquet / local files (target >= 1.0)"),
+                       ("s3 parquet", "s3 files batched", f"S3 Parquet / S3 files batched @ {ms}"),
+                       ("s3 parquet", "local files", f"S3 Parquet @ {ms} / local files")):
         if a in rows and b in rows:
             print(f"{what}: {ratio(a, b)}")
 

@@ -46,6 +46,7 @@ from ddp_cli.bench.data import set_up
 from ddp_cli.bench.faultproxy import Faults, ProxyProcess
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.fetch.retry import IoPolicy
+from ddp_cli.data.fetch.row_groups import group_folder
 from ddp_cli.data.pipeline.augment import train_transform
 from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset
 from ddp_cli.data.pipeline.sampler import ShardSampler
@@ -142,10 +143,12 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
 
 
 def measure(row: Row, workers: int, batch_size: int, image_size: int, seconds: float) -> tuple[int, float]:
-    """Images consumed and seconds taken by fresh loader processes (and a fresh shard cache)."""
+    """Images consumed and seconds taken by fresh loader processes (and a fresh shard cache, and no
+    decoded Parquet row groups left on the node by an earlier round)."""
     cache = tempfile.mkdtemp(prefix="ddp-bench-shards-")
     try:
         fs, root = row.entry.open()
+        shutil.rmtree(group_folder(fs, root), ignore_errors=True)
         transform = train_transform(DataConfig(image_size=image_size), AugmentConfig())
         dataset = ImageDataset(fs, root, row.split, transform, "skip", image_size,
                                cache if row.split.sharded else None,  # no per-file cache: every GET counts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import numpy as np
@@ -12,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ddp_in_process, last_json
+from conftest import KEY, SECRET, ddp_in_process, last_json
 from synthetic import readme_with_classes, write_hf_parquet, write_registry
 
 from ddp_cli.data.fetch.parquet_reader import ParquetReader
@@ -218,8 +219,10 @@ def test_undecodable_bytes_and_missing_images_are_bad_images(tmp_path):
     assert [b["path"] for b in checked["bad_files"]] == [f"data/train-0.parquet#{i}" for i in range(4)]
 
 
-def test_a_path_only_row_is_read_under_the_root_and_an_unsafe_one_refused(tmp_path):
+def test_a_path_only_row_is_read_under_the_root_and_an_unsafe_one_refused(tmp_path, monkeypatch):
     from synthetic import encoded, image
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the node's copies are read by more than one process
 
     (tmp_path / "img").mkdir()
     image(1, 0).save(tmp_path / "img/a.jpg")
@@ -359,12 +362,20 @@ def test_bench_data_times_parquet_against_files_in_the_same_run(hub, tmp_path):
 
 
 def test_loader_processes_of_a_node_decode_each_row_group_once_between_them(hub, tmp_path, monkeypatch):
-    """Two loader processes (two readers, each its own NodeGroups) reading every row of the same groups,
-    as the training order has them do: each group decoded once, the other reader reads the node's copy."""
-    from ddp_cli.data.fetch.row_groups import NodeGroups
+    """Two readers of a node (two ranks here, each its own NodeGroups) reading every row of the same groups,
+    as the training order has them do: each group decoded once, the other reader reads the node's copy.
+    A node's only reader writes no copies: nobody would read them."""
+    from ddp_cli.data.fetch.row_groups import NodeGroups, readers_on_node
 
     root, _ = hub
     train = build_index(FS, str(root), "parquet").splits["train"]
+    lone = ParquetReader(FS, str(root), 3, shared=NodeGroups(tmp_path / "lone", keep=4))
+    assert lone.read(train.paths[0], train.members[0]) and not (tmp_path / "lone").exists()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(num_workers=3))
+    assert readers_on_node() == 6  # 2 ranks, 3 loader processes each
+    monkeypatch.undo()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     reads = row_group_reads(monkeypatch)
     alone = open_reader(FS, str(root), train)
     expected = [alone.read(train.paths[r], train.members[r]) for r in range(len(train))]
@@ -379,3 +390,50 @@ def test_loader_processes_of_a_node_decode_each_row_group_once_between_them(hub,
     ParquetReader(FS, str(root), 3, shared=NodeGroups(tmp_path, keep=4)).read(train.paths[-1],
                                                                                train.members[-1])
     assert len(reads) == 7
+
+
+def test_a_node_group_file_holds_each_row_at_its_place_and_no_bytes_as_none(tmp_path):
+    """The node's copy of a group: every row's bytes (an empty image stays b""), None where the row has
+    none (its bytes or its whole image null), past the first byte of the validity bitmap and for a slice
+    of a larger array (Arrow's offsets into its parent's buffers)."""
+    from ddp_cli.data.fetch.row_groups import NodeGroups
+
+    rows = [{"bytes": bytes([i]) * i, "path": None} for i in range(12)]
+    rows[1], rows[4], rows[9] = {"bytes": None, "path": "p.jpg"}, None, {"bytes": None, "path": None}
+    images = pa.array(rows, IMAGE)
+    for start in (0, 3):
+        node = NodeGroups(tmp_path / str(start), keep=2)
+        got = [node.read("group", i, lambda start=start: images.slice(start)) for i in range(12 - start)]
+        assert got == [row and row["bytes"] for row in rows[start:]]
+
+
+def test_remote_row_groups_read_next_are_read_ahead_once_and_then_taken(hub, tmp_path, s3_endpoint, aws,
+                                                                     monkeypatch):
+    """From S3 the groups read next are read on a background thread (a round trip and a group's bytes off
+    the first image of a window): a node's only reader then takes them from there, readers of a shared
+    node from the node's copies; each group read once, the images those of the local files."""
+    import s3fs
+
+    from ddp_cli.data.fetch.row_groups import NodeGroups
+
+    root, _ = hub
+    train = build_index(FS, str(root), "parquet").splits["train"]
+    local = ParquetReader(FS, str(root))
+    expected = [local.read(train.paths[r], train.members[r]) for r in range(len(train))]
+    fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint},
+                           skip_instance_cache=True)
+    fs.mkdir("hub-ahead")
+    fs.put(f"{root}/", "hub-ahead/hub/", recursive=True)
+    groups = sorted({(train.paths[r].split("#")[0], int(train.members[r][0])) for r in range(len(train))})
+    for sharing in ("1", "2"):  # LOCAL_WORLD_SIZE: a node's only reader, then two
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", sharing)
+        reads = row_group_reads(monkeypatch)
+        readers = [ParquetReader(fs, "hub-ahead/hub", keep=8, shared=NodeGroups(tmp_path / sharing, keep=8))
+                   for _ in range(int(sharing))]
+        readers[0].read_ahead(groups)
+        for pending in list(readers[0]._pending.values()):
+            pending.result()
+        assert len(reads) == len(groups)
+        assert [[r.read(train.paths[i], train.members[i]) for r in readers] for i in range(len(train))] == [
+            [image] * len(readers) for image in expected]
+        assert len(reads) == len(groups)  # nothing read again on demand

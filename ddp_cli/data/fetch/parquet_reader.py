@@ -10,7 +10,8 @@ memory does not grow with the data set) and reads each once per window. The
 training and validation loaders go further (`shared`, row_groups.py): every
 loader process of the node reads rows of every group of the window, so a group
 is decoded once per node and its images read from the node's copy (without it,
-2 loader processes trained at 0.73x the files' rate: BENCHMARKS.md, "Parquet").
+2 loader processes trained at 0.73x the files' rate: BENCHMARKS.md, "Parquet");
+unless the process is the node's only reader (`readers_on_node`).
 
 Local files are read in place. Remote ones (S3) are read by range through
 fsspec, the file's footer once per process and then one request per row group
@@ -26,17 +27,19 @@ never read).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import fsspec
 
 from ddp_cli.data.fetch.retry import IoPolicy, with_retries
-from ddp_cli.data.fetch.row_groups import NodeGroups
+from ddp_cli.data.fetch.row_groups import NodeGroups, readers_on_node
 from ddp_cli.data.fetch.storage import (
     UNSAFE_PATH,
     FileReader,
@@ -110,12 +113,42 @@ class ParquetReader:
             keep_freed_memory()
             self._fs = filesystem_after_fork(self._fs)
         self._pid, self._lock = os.getpid(), threading.Lock()
+        self._node = self.shared if self.shared is not None and readers_on_node() > 1 else None
         self._open: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # file -> (ParquetFile, image column)
         self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()  # (file, group) -> StructArray
         self._versions: dict[str, str] = {}  # file -> `_version`
+        self._ahead: ThreadPoolExecutor | None = None  # `read_ahead`'s thread, its open files, its reads
+        self._open_ahead: OrderedDict[str, tuple[Any, str]] = OrderedDict()
+        self._pending: dict[tuple[str, int], Future] = {}
 
     def prefetch(self, paths: list[str]) -> None:
         """Nothing to gather: a row group is read whole on its first image."""
+
+    def read_ahead(self, groups: list[tuple[str, int]]) -> None:
+        """Start reading remote `groups` (file, row group), the ones read next, on a background thread:
+        into the node's copies, or this reader's own (`_group` takes them), so that the first image of a
+        window does not wait for a round trip and its row groups' bytes. Local files need nothing: the
+        thread's allocations only cost CPU there. A group that another process of the node is writing is
+        left to it; a failure here is met again, and reported, when the group is read."""
+        if _is_local(self._fs):
+            return
+        with self._locked():
+            if self._ahead is None:
+                self._ahead = ThreadPoolExecutor(1, "row-groups-ahead")
+            for file, group in groups:
+                name = self._name(file, group)
+                if (file, group) in self._pending or (
+                        self._node.written(name) if self._node else (file, group) in self._groups):
+                    continue
+                self._pending[(file, group)] = self._ahead.submit(self._read_ahead, file, group, name)
+
+    def _read_ahead(self, file: str, group: int, name: str) -> Any:
+        read = functools.partial(self._read_group, file, group, self._open_ahead)
+        if self._node is None:
+            return read()
+        with contextlib.suppress(Exception):
+            self._node.write(name, read, wait=False)
+        return None
 
     def read(self, path: str, member: tuple[int, int]) -> bytes:
         """The image bytes of index path `<file>#<row>` at (row group, row in group). FileNotFoundError
@@ -125,13 +158,12 @@ class ParquetReader:
         if escapes(file):
             raise UnsafePath(UNSAFE_PATH)
         group, row = (int(v) for v in member)
-        if self.shared is not None:  # the node's copy of the group: decoded once per node
-            with self._locked():
-                data = self.shared.read(f"{file.replace('/', '--')}.{self._version(file)}.{group}", row,
-                                        lambda: self._read_group(file, group))
-            if data is not None:
-                return data
         with self._locked():
+            if self._node is not None:  # the node's copy of the group: decoded once per node
+                self._pending.pop((file, group), None)
+                name = self._name(file, group)
+                if (data := self._node.read(name, row, lambda: self._read_group(file, group))) is not None:
+                    return data
             image = self._group(file, group)[row]
         data = image["bytes"].as_py() if "bytes" in image.type.names else None  # the path only if needed
         if data is not None:
@@ -140,6 +172,10 @@ class ParquetReader:
         if not name:
             raise FileNotFoundError(f"{path}: no image (bytes and path both empty)")
         return self.files.read(name)
+
+    def _name(self, file: str, group: int) -> str:
+        """The node's name of `file`'s row group `group`, as the file is now."""
+        return f"{file.replace('/', '--')}.{self._version(file)}.{group}"
 
     def _version(self, file: str) -> str:
         """A token of `file`'s size and modification (its ETag remotely), so that a node's group files of
@@ -161,25 +197,36 @@ class ParquetReader:
         dropped past `keep`)."""
         key = (file, group)
         if key not in self._groups:
-            self._groups[key] = self._read_group(file, group)
+            self._groups[key] = self._ahead_or_read(file, group)
             if len(self._groups) > self.keep:
                 self._groups.popitem(last=False)
         self._groups.move_to_end(key)
         return self._groups[key]
 
-    def _read_group(self, file: str, group: int) -> Any:
+    def _ahead_or_read(self, file: str, group: int) -> Any:
+        """The group `read_ahead` read, or (none, or its read failed) read now."""
+        if (pending := self._pending.pop((file, group), None)) is not None:
+            with contextlib.suppress(Exception):
+                if (images := pending.result()) is not None:
+                    return images
+        return self._read_group(file, group)
+
+    def _read_group(self, file: str, group: int, opened: OrderedDict | None = None) -> Any:
+        """Row group `group` of `file`'s image column, through the open files `opened` (the calling
+        threads' by default; the reading-ahead thread has its own)."""
         import pyarrow as pa
 
         where = f"{self.root}/{file}"
+        opened = self._open if opened is None else opened
 
         def read() -> Any:
-            parquet, column = self._file(file)
+            parquet, column = self._file(file, opened)
             try:
                 table = parquet.read_row_group(group, columns=[column], use_threads=False)  # 3x faster: a
                 chunks = table.column(column)  # loader process has one core's worth
                 return chunks.chunk(0) if chunks.num_chunks == 1 else chunks.combine_chunks()  # no copy
             except Exception:
-                self._open.pop(file, None)  # a failed read may leave the remote file unusable: reopen
+                opened.pop(file, None)  # a failed read may leave the remote file unusable: reopen
                 raise
 
         try:
@@ -194,18 +241,18 @@ class ParquetReader:
                 raise
             raise mapped from e
 
-    def _file(self, file: str) -> tuple[Any, str]:
-        """`file` open, with its image column; a few stay open (footers read once)."""
-        if file not in self._open:
+    def _file(self, file: str, opened: OrderedDict) -> tuple[Any, str]:
+        """`file` open, with its image column; a few stay open in `opened` (footers read once)."""
+        if file not in opened:
             parquet = open_parquet(self._fs, f"{self.root}/{file}")
             column = image_column(parquet.schema_arrow)
             if column is None:
                 raise OSError(f"{file}: no image column (a struct with bytes and/or path)")
-            self._open[file] = parquet, column
-            if len(self._open) > self.keep:
-                self._open.popitem(last=False)
-        self._open.move_to_end(file)
-        return self._open[file]
+            opened[file] = parquet, column
+            if len(opened) > self.keep:
+                opened.popitem(last=False)
+        opened.move_to_end(file)
+        return opened[file]
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt(3)

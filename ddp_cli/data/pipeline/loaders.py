@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ddp_cli.config import AugmentConfig, DataConfig
-from ddp_cli.data.fetch.parquet_reader import ParquetReader
+from ddp_cli.data.fetch.parquet_reader import ParquetReader, row_file
 from ddp_cli.data.fetch.retry import IoPolicy, count_retries
 from ddp_cli.data.fetch.row_groups import NodeGroups, group_folder
 from ddp_cli.data.fetch.shard_reader import ShardReader
@@ -61,7 +61,7 @@ def open_reader(fs: fsspec.AbstractFileSystem, root: str, split: Split, cache_di
                 shared: bool = False) -> Reader:
     """The reader of `split`'s rows: files under the root, images inside packed shards, or rows of Parquet
     files (which keeps the `window` row groups being read and two more: the one a batch straddles into;
-    `shared`: row groups decoded once per node for all its loader processes, `shard_cache` of them kept)."""
+    `shared`: row groups decoded once per node for all its readers, `shard_cache` of them kept)."""
     if split.container == PARQUET and split.sharded:
         node = NodeGroups(group_folder(fs, root), shard_cache) if shared else None
         return ParquetReader(fs, root, window + 2, policy, node)
@@ -139,12 +139,12 @@ class ImageDataset(Dataset):
         return [self[i] for i in indices]
 
     def read_ahead(self, indices: list[int], seed: int = 0, epoch: int | None = None) -> None:
-        """Before a batch: its files requested together; for remote shards, the shards read after this
-        batch's downloaded in the background: the next `window` (at least LEAD) of the (seed, epoch)
-        shard order in training, on into the next epoch's, or of the file order in validation (`epoch`
-        None). The cache (`shard_cache`) holds this window and that many more."""
+        """Before a batch: its files requested together; for remote shards and Parquet row groups, the
+        ones read after this batch's fetched in the background: the next `window` (at least LEAD) of the
+        (seed, epoch) shard order in training, on into the next epoch's, or of the file order in
+        validation (`epoch` None). The cache (`shard_cache`) holds this window and that many more."""
         self.reader.prefetch([self.paths[i] for i in indices])
-        if not isinstance(self.reader, ShardReader):  # files are read together; row groups on demand
+        if isinstance(self.reader, FileReader):  # files are read together
             return
         starts, count = self.split.starts, len(self.split.starts) - 1
         shards = set((np.searchsorted(starts, indices, side="right") - 1).tolist())
@@ -155,8 +155,11 @@ class ImageDataset(Dataset):
             sequence = epoch_shards(count, seed, epoch) + epoch_shards(count, seed, epoch + 1)
             following = (max(sequence.index(j) for j in shards) // self.window + 1) * self.window
             after = sequence[following:following + ahead]
-        self.reader.download_ahead([self.paths[int(starts[j])].split("/", 1)[0] for j in after
-                                    if starts[j] < starts[j + 1]])
+        firsts = [int(starts[j]) for j in after if starts[j] < starts[j + 1]]
+        if isinstance(self.reader, ParquetReader):  # a row group: its file, and its number in the file
+            self.reader.read_ahead([(row_file(self.paths[i]), int(self.split.members[i][0])) for i in firsts])
+        else:
+            self.reader.download_ahead([self.paths[i].split("/", 1)[0] for i in firsts])
 
     def failed(self, index: int, message: str):
         blank = torch.zeros(self.out_size, self.out_size, 3, dtype=torch.uint8)
