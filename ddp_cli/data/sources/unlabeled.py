@@ -3,8 +3,9 @@
 Where the layout lists files (imagefolder, imagenet-loc, csv), `unlabeled` names a
 folder under the root, every image under it at any depth. In a packed root
 (`shards`) it names a split of index.json (read as any other; the packing code
-writes one, the `datasets pack` command not yet), in a Parquet root (`parquet`) the split of the files `<name>-*.parquet`, as
-Hugging Face `datasets` names its splits; their labels, if any, are ignored. Each
+writes one, the `datasets pack` command not yet), in a Parquet root (`parquet`)
+the split of the files `<name>-*.parquet`, as Hugging Face `datasets` names its
+splits; their labels, if any, are ignored. Each
 image's label is -1 (unknown), through the same filesystem (local or S3).
 FixMatch (`semi.method = "fixmatch"`) learns from it; nothing else reads it.
 """
