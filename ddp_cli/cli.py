@@ -328,8 +328,9 @@ def datasets_pack(
     """Pack a data set into tar shards (WebDataset convention) + an index: `layout = "shards"`.
 
     Every image becomes an RGB JPEG (quirk files re-encoded, plain ones copied unless --max-side
-    shrinks them). A killed pack resumes when run again with the same options; a shard is never
-    visible half-written, and the data set exists once index.json is written (last).
+    shrinks them). --split all packs train, val and the entry's `unlabeled` split if it names one. A
+    killed pack resumes when run again with the same options; a shard is never visible half-written,
+    and the data set exists once index.json is written (last).
 
     Examples:
 

@@ -31,7 +31,7 @@ from ddp_cli.data.sources.inputs import expand_inputs, input_root
 from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.shards import describe as describe_shards
 from ddp_cli.data.sources.shards import read_index
-from ddp_cli.data.sources.table import IndexTable
+from ddp_cli.data.sources.table import UNLABELED, IndexTable
 from ddp_cli.errors import PEER_LOST, ConfigError, DataError, DdpError, PeerLost, WorkerFailed
 from ddp_cli.index_build import IndexBuild, resolve_dataset
 from ddp_cli.io import writing
@@ -461,17 +461,18 @@ def datasets_check(name: str, registry: str | None, split: str, workers: int | N
 
 def datasets_pack(name: str, to: str, registry: str | None, split: str, settings: dict[str, Any],
                   workers: int, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """`pack` the registry entry `name` into `to` (`split`: train, val or all); `settings` are
-    `PackOptions`' (max_side, quality, shard_mib, on_bad_image)."""
+    """`pack` the registry entry `name` into `to` (`split`: train, val or all: both, and the entry's
+    `unlabeled` split when it names one); `settings` are `PackOptions`' (max_side, quality, shard_mib,
+    on_bad_image)."""
     from ddp_cli.data.pack.writer import PackOptions, Source, pack, pack_index
 
     opts = PackOptions(**settings)
-    splits = ("train", "val") if split == "all" else (split,)
     entry = load_registry(registry).get(name)
+    splits = ("train", "val", *((UNLABELED,) if entry.unlabeled else ())) if split == "all" else (split,)
     fs, root = entry.open()
     if entry.layout == SHARDS:
         raise ConfigError(f"data set {name!r} is packed already (layout shards); pack its source instead")
-    index = pack_index(fs, root, entry.layout, splits, opts.on_bad_image, entry.csv)
+    index = pack_index(fs, root, entry.layout, splits, opts.on_bad_image, entry.csv, entry.unlabeled)
     source = Source(fs, root, entry.name, entry.layout, entry.storage.path)
     return pack(source, index, to, replace(opts, splits=splits), workers, progress)
 

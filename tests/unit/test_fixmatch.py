@@ -226,6 +226,37 @@ def test_a_registry_unlabeled_folder_becomes_the_unlabelled_split_and_survives_t
     assert "unlabeled" not in resolve_dataset(semi_config(), str(with_unlabeled))[1].splits  # not read
 
 
+def test_pack_all_packs_the_unlabeled_split_too_and_fixmatch_reads_it_from_shards(with_unlabeled, tmp_path):
+    """`datasets pack --split all` packs an entry's unlabeled folder as the split `unlabeled` (labels -1,
+    `.cls` "-1", no synset), which the packed entry names like any other; its images decode."""
+    import tarfile
+
+    from conftest import last_json
+
+    from ddp_cli.data.pipeline.loaders import open_reader, read_row
+    from ddp_cli.data.sources.shards import read_samples
+
+    packed = tmp_path / "packed"
+    out = last_json(ddp_in_process("datasets", "pack", "semi", "--to", str(packed), "--registry",
+                                   str(with_unlabeled), "--json"))
+    assert {name: split["images"] for name, split in out["splits"].items()} == {
+        "train": 18, "val": 9, "unlabeled": 20}
+    samples = read_samples(fsspec.filesystem("file"), str(packed), "unlabeled")
+    assert sorted(samples.path) == sorted(f"unlabeled/{'more/' if i % 2 else ''}u{i}.png" for i in range(20))
+    with tarfile.open(packed / "unlabeled-000000.tar") as tar:
+        member = tar.getmembers()[1]
+        assert member.name.endswith(".cls") and tar.extractfile(member).read() == b"-1"
+        assert json.loads(tar.extractfile(tar.getmembers()[2]).read())["synset"] == ""
+    (tmp_path / "reg").mkdir()
+    packed_entry = {"name": "semi", "layout": "shards", "unlabeled": "unlabeled",
+                    "storage": {"driver": "FileSystem", "path": str(packed)}}
+    registry = write_registry(tmp_path / "reg", [packed_entry])
+    entry, index = resolve_dataset(semi_config(method="fixmatch", mu=2), str(registry))
+    unlabeled = index.splits["unlabeled"]
+    assert len(unlabeled) == 20 and set(unlabeled.labels.tolist()) == {-1}
+    assert read_row(open_reader(*entry.open(), unlabeled), unlabeled, 7).size == (12, 12)
+
+
 def test_the_labelled_subset_is_the_same_on_every_rank_at_any_loader_count_and_when_rebuilt(with_unlabeled):
     cfg = semi_config(method="fixmatch", labels_per_class=2, mu=2)
     entry, index = resolve_dataset(cfg, str(with_unlabeled))

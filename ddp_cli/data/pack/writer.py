@@ -72,7 +72,8 @@ from ddp_cli.data.sources.csv_layout import CsvListing
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.packed import PARQUET, PackedStrings, Split
 from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
-from ddp_cli.data.sources.table import IndexTable
+from ddp_cli.data.sources.table import UNLABELED, IndexTable
+from ddp_cli.data.sources.unlabeled import unlabeled_split
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.io import HashingFile, writing
 
@@ -211,13 +212,19 @@ class Source:
 
 
 def pack_index(fs: fsspec.AbstractFileSystem, root: str, layout: str, splits: tuple[str, ...],
-               on_bad_image: str, csv: CsvListing | None = None) -> IndexTable:
+               on_bad_image: str, csv: CsvListing | None = None, unlabeled: str | None = None) -> IndexTable:
     """The source's index for `splits`, one split at a time so that each problem the index found (a row
-    of an unknown synset, left out of the split) carries its split: `pack` lists it there, or stops."""
+    of an unknown synset, left out of the split) carries its split: `pack` lists it there, or stops.
+    With `unlabeled` (a registry entry's), `UNLABELED` among `splits` is that split (unlabeled.py), packed
+    under the name `UNLABELED`."""
+    labelled = [name for name in splits if unlabeled is None or name != UNLABELED]
     tables = {name: build_index(fs, root, layout, splits=(name,), on_bad_image=on_bad_image, csv=csv)
-              for name in splits}
-    first = tables[splits[0]]
-    return IndexTable(first.classes, first.descriptions, {name: t.splits[name] for name, t in tables.items()},
+              for name in labelled}
+    first = tables[labelled[0]]
+    rows = {name: t.splits[name] for name, t in tables.items()}
+    if unlabeled is not None and UNLABELED in splits:
+        rows[UNLABELED] = unlabeled_split(fs, root, layout, unlabeled, on_bad_image)
+    return IndexTable(first.classes, first.descriptions, rows,
                       [{**p, "split": name} for name, t in tables.items() for p in t.problems])
 
 
@@ -264,10 +271,11 @@ def rows_digest(split: Split) -> str:
 
 
 def pack_order(split: Split, name: str) -> np.ndarray:
-    """The rows of a split in the order they go into the shards: train shuffled once, val as it is. A
-    source read by row group (Parquet) is shuffled `PACK_WINDOW` row groups at a time (the training
-    order's windows, `sampler.shard_order`), so that each row group is read once, not once per row."""
-    if name != "train":
+    """The rows of a split in the order they go into the shards: train (and the unlabelled images)
+    shuffled once, val as it is. A source read by row group (Parquet) is shuffled `PACK_WINDOW` row
+    groups at a time (the training order's windows, `sampler.shard_order`), so that each row group is
+    read once, not once per row."""
+    if name not in ("train", UNLABELED):
         return np.arange(len(split))
     if split.container == PARQUET and split.sharded:
         return shard_order(split.starts, ORDER_SEED, 0, PACK_WINDOW).numpy()
@@ -371,7 +379,7 @@ class Packer:
                         continue
                     label = int(split.labels[item.row])
                     members = sample_members(f"{name}_{item.row:08d}", item.jpeg, label,
-                                             self.index.classes[label], path)
+                                             self.index.classes[label] if label >= 0 else "", path)
                     if writer is not None and writer.size_with(members) > limit:
                         self.close_shard(name, writer, skipped, position)
                         writer, skipped = None, []

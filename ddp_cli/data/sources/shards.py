@@ -158,10 +158,11 @@ class Samples:
             raise DataError(f"{where}: not a samples table ({type(e).__name__}: {e}); pack the data set "
                             "again") from e
 
-    def check(self, classes: int, shards: int, where: str) -> None:
+    def check(self, classes: int, shards: int, where: str, labelled: bool = True) -> None:
         """DataError naming `where` unless every column is a flat integer array of one length whose
-        values the index can mean: labels of `classes`, rows grouped by `shards` in order, offsets and
-        sizes not negative, strings whose offsets lie in their buffer."""
+        values the index can mean: labels of `classes` (or -1, unknown, in a split nobody labelled), rows
+        grouped by `shards` in order, offsets and sizes not negative, strings whose offsets lie in their
+        buffer."""
         n = len(self.label)
         columns = {"shard": self.shard, "offset": self.offset, "size": self.size, "label": self.label}
         for name in ("key", "member", "path"):
@@ -172,12 +173,12 @@ class Samples:
             if column.ndim != 1 or column.dtype.kind not in "iu" or length not in (None, len(column)):
                 raise DataError(f"{where}: column {name} is not a flat array of integers of the right "
                                 "length; pack the data set again")
-        problem = self._problem(classes, shards)
+        problem = self._problem(classes, shards, 0 if labelled else -1)
         if problem:
             raise DataError(f"{where}: {problem}; pack the data set again")
 
-    def _problem(self, classes: int, shards: int) -> str | None:
-        if len(self) and not 0 <= self.label.min() <= self.label.max() < classes:
+    def _problem(self, classes: int, shards: int, lowest: int) -> str | None:
+        if len(self) and not lowest <= self.label.min() <= self.label.max() < classes:
             return f"a label outside the {classes} classes {INDEX} lists"
         if len(self) and (self.shard.min() < 0 or self.shard.max() >= shards
                           or np.any(np.diff(self.shard) < 0)):
@@ -236,7 +237,7 @@ def packed_split(fs: fsspec.AbstractFileSystem, root: str, meta: ShardsIndex, na
         raise DataError(f"{root}/{INDEX}: no {name} split (it holds {', '.join(meta.splits)}); pack "
                         "it with `ddp datasets pack ... --split all`")
     info, samples = meta.splits[name], read_samples(fs, root, name)
-    samples.check(len(meta.synsets), len(info.shards), f"{root}/{samples_name(name)}")
+    samples.check(len(meta.synsets), len(info.shards), f"{root}/{samples_name(name)}", relabel is not None)
     labels = relabel[samples.label] if relabel is not None else np.full(len(samples), -1, dtype=np.int64)
     chosen = np.flatnonzero(labels >= 0) if relabel is not None else np.arange(len(samples))
     shard_names = [s.name for s in info.shards]

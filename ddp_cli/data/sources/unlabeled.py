@@ -2,8 +2,8 @@
 
 Where the layout lists files (imagefolder, imagenet-loc, csv), `unlabeled` names a
 folder under the root, every image under it at any depth. In a packed root
-(`shards`) it names a split of index.json (read as any other; the packing code
-writes one, the `datasets pack` command not yet), in a Parquet root (`parquet`)
+(`shards`) it names a split of index.json (`ddp datasets pack --split all` packs
+a source's `unlabeled` split as `unlabeled`, labels -1), in a Parquet root (`parquet`)
 the split of the files `<name>-*.parquet`, as Hugging Face `datasets` names its
 splits; their labels, if any, are ignored. Each
 image's label is -1 (unknown), through the same filesystem (local or S3).
