@@ -437,3 +437,23 @@ def test_remote_row_groups_read_next_are_read_ahead_once_and_then_taken(hub, tmp
         assert [[r.read(train.paths[i], train.members[i]) for r in readers] for i in range(len(train))] == [
             [image] * len(readers) for image in expected]
         assert len(reads) == len(groups)  # nothing read again on demand
+
+
+def test_a_group_another_process_evicts_the_moment_it_is_written_is_still_read(tmp_path, monkeypatch):
+    """Other processes write groups and evict the oldest at any time, so a group file can be unlinked
+    as soon as it is in place: the writer reads it all the same (its file was open before), never
+    "missing file"."""
+    from ddp_cli.data.fetch import row_groups
+
+    rows = [{"bytes": bytes([i]) * (i + 1), "path": None} for i in range(5)]
+    renamed = os.replace
+
+    def evicted_at_once(source, target):
+        renamed(source, target)
+        os.unlink(target)
+
+    monkeypatch.setattr(row_groups.os, "replace", evicted_at_once)
+    node = row_groups.NodeGroups(tmp_path, keep=4)
+    assert [node.read("group", i, lambda: pa.array(rows, IMAGE)) for i in range(5)] == [
+        row["bytes"] for row in rows]
+    assert not list(tmp_path.glob("*.rows"))

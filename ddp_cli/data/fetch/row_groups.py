@@ -78,15 +78,16 @@ class NodeGroups:
     def _load(self, name: str, decode: Callable[[], Any]) -> tuple[int, np.ndarray]:
         with contextlib.suppress(FileNotFoundError):
             return self._open_file(name)
-        self.write(name, decode)
-        return self._open_file(name)
+        return self.write(name, decode)
 
     def written(self, name: str) -> bool:
         return (self.folder / f"{name}{SUFFIX}").exists()
 
-    def write(self, name: str, decode: Callable[[], Any], wait: bool = True) -> None:
-        """Group `name` written to the folder unless a process of the node has written it; `wait=False`
-        (reading ahead): none written if another process is writing it."""
+    def write(self, name: str, decode: Callable[[], Any], wait: bool = True) -> Any:
+        """Group `name` written to the folder unless a process of the node has written it, and opened
+        (fd, spans) before it is in place or, written by another, under its lock: the other processes
+        writing groups evict the oldest at any time, and an open file stays readable once unlinked.
+        `wait=False` (reading ahead): nothing done if another process is writing it, nothing kept open."""
         target = self.folder / f"{name}{SUFFIX}"
         with writing(target):  # the folder's disk full: one line naming the file, in any process
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -94,15 +95,19 @@ class NodeGroups:
                 try:  # released on close
                     fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    return
-                if not target.exists():  # else another process wrote it meanwhile
-                    write_group(decode(), target)
+                    return None
+                try:
+                    opened = self._open_file(name)  # another process wrote it meanwhile
+                except FileNotFoundError:
+                    opened = spans_of(write_group(decode(), target))
             self._evict()
+        if not wait:
+            os.close(opened[0])
+            return None
+        return opened
 
     def _open_file(self, name: str) -> tuple[int, np.ndarray]:
-        fd = os.open(self.folder / f"{name}{SUFFIX}", os.O_RDONLY)
-        rows = int.from_bytes(os.pread(fd, 8, 0), "little")
-        return fd, np.frombuffer(os.pread(fd, 16 * rows, 8), dtype="<i8").reshape(rows, 2)
+        return spans_of(os.open(self.folder / f"{name}{SUFFIX}", os.O_RDONLY))
 
     def _evict(self) -> None:
         """Keep the `keep` most recently written groups (and their locks: a lock only saves work)."""
@@ -112,8 +117,15 @@ class NodeGroups:
             (old.parent / f".{old.name.removesuffix(SUFFIX)}.lock").unlink(missing_ok=True)
 
 
-def write_group(images: Any, target: Path) -> None:
-    """The `bytes` of each row of the StructArray `images`, with their spans, atomically at `target`."""
+def spans_of(fd: int) -> tuple[int, np.ndarray]:
+    """A group file open at `fd`, and its rows' (start, end) spans."""
+    rows = int.from_bytes(os.pread(fd, 8, 0), "little")
+    return fd, np.frombuffer(os.pread(fd, 16 * rows, 8), dtype="<i8").reshape(rows, 2)
+
+
+def write_group(images: Any, target: Path) -> int:
+    """The `bytes` of each row of the StructArray `images`, with their spans, atomically at `target`; the
+    file open for reading (opened before it is in place, so whatever unlinks it since)."""
     import pyarrow as pa
 
     names = [images.type.field(i).name for i in range(images.type.num_fields)]
@@ -128,13 +140,18 @@ def write_group(images: Any, target: Path) -> None:
         spans[valid[column.offset:column.offset + len(column)] == 0, 0] = -1
     data = column.buffers()[2]
     partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+    fd = -1
     try:
         with open(partial, "wb") as out:
             out.write(len(column).to_bytes(8, "little"))
             out.write(spans.tobytes())
             if data is not None:
                 out.write(memoryview(data)[offsets[0]:offsets[-1]])
+        fd = os.open(partial, os.O_RDONLY)
         os.replace(partial, target)
     except BaseException:
         partial.unlink(missing_ok=True)
+        if fd >= 0:
+            os.close(fd)
         raise
+    return fd
