@@ -457,3 +457,20 @@ def test_a_group_another_process_evicts_the_moment_it_is_written_is_still_read(t
     assert [node.read("group", i, lambda: pa.array(rows, IMAGE)) for i in range(5)] == [
         row["bytes"] for row in rows]
     assert not list(tmp_path.glob("*.rows"))
+
+
+def test_a_group_file_another_process_evicts_while_this_one_evicts_is_passed_over(tmp_path, monkeypatch):
+    """Listed, then unlinked by another process's eviction before it is looked at: no "missing file"."""
+    from ddp_cli.data.fetch.row_groups import NodeGroups
+
+    (tmp_path / "gone.rows").write_bytes(b"")
+    stat = Path.stat
+
+    def listed_then_gone(path, *args, **kwargs):
+        if path.name == "gone.rows":
+            raise FileNotFoundError(path)
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", listed_then_gone)
+    node = NodeGroups(tmp_path, keep=4)
+    assert node.read("group", 0, lambda: pa.array([{"bytes": b"x", "path": None}], IMAGE)) == b"x"

@@ -110,9 +110,13 @@ class NodeGroups:
         return spans_of(os.open(self.folder / f"{name}{SUFFIX}", os.O_RDONLY))
 
     def _evict(self) -> None:
-        """Keep the `keep` most recently written groups (and their locks: a lock only saves work)."""
-        written = sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in written[self.keep:]:
+        """Keep the `keep` most recently written groups (and their locks: a lock only saves work). Other
+        processes evict too: a file listed here may be gone by the time it is looked at."""
+        written = []
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                written.append((path.stat().st_mtime, path))
+        for _, old in sorted(written, key=lambda found: found[0], reverse=True)[self.keep:]:
             old.unlink(missing_ok=True)
             (old.parent / f".{old.name.removesuffix(SUFFIX)}.lock").unlink(missing_ok=True)
 
