@@ -78,12 +78,14 @@ class NodeGroups:
     def _load(self, name: str, decode: Callable[[], Any]) -> tuple[int, np.ndarray]:
         with contextlib.suppress(FileNotFoundError):
             return self._open_file(name)
-        return self.write(name, decode)
+        opened = self.write(name, decode)
+        assert opened is not None  # waiting for the lock, `write` always opens it
+        return opened
 
     def written(self, name: str) -> bool:
         return (self.folder / f"{name}{SUFFIX}").exists()
 
-    def write(self, name: str, decode: Callable[[], Any], wait: bool = True) -> Any:
+    def write(self, name: str, decode: Callable[[], Any], wait: bool = True) -> tuple[int, np.ndarray] | None:
         """Group `name` written to the folder unless a process of the node has written it, and opened
         (fd, spans) before it is in place or, written by another, under its lock: the other processes
         writing groups evict the oldest at any time, and an open file stays readable once unlinked.
