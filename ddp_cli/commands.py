@@ -435,7 +435,7 @@ def datasets_show(name: str, registry: str | None) -> dict[str, Any]:
     """The registry entry (no credentials: the registry holds none) and what its index holds."""
     entry = load_registry(registry).get(name)
     fs, root = entry.open()
-    index = build_index(fs, root, entry.layout, csv=entry.csv)
+    index = build_index(fs, root, entry.layout, options=entry.layout_options)
     packed = {"packed": describe_shards(read_index(fs, root))} if entry.layout == SHARDS else {}
     return {
         **entry.model_dump(mode="json", exclude_none=True, exclude={"storage"}),
@@ -456,7 +456,7 @@ def datasets_check(name: str, registry: str | None, split: str, workers: int | N
     entry = load_registry(registry).get(name)
     fs, root = entry.open()
     return {"name": entry.name, "root": entry.storage.path,
-            **check_dataset(fs, root, entry.layout, splits, workers, progress, entry.csv)}
+            **check_dataset(fs, root, entry.layout, splits, workers, progress, entry.layout_options)}
 
 
 def datasets_pack(name: str, to: str, registry: str | None, split: str, settings: dict[str, Any],
@@ -472,7 +472,8 @@ def datasets_pack(name: str, to: str, registry: str | None, split: str, settings
     fs, root = entry.open()
     if entry.layout == SHARDS:
         raise ConfigError(f"data set {name!r} is packed already (layout shards); pack its source instead")
-    index = pack_index(fs, root, entry.layout, splits, opts.on_bad_image, entry.csv, entry.unlabeled)
+    index = pack_index(fs, root, entry.layout, splits, opts.on_bad_image, entry.layout_options,
+                       entry.unlabeled)
     source = Source(fs, root, entry.name, entry.layout, entry.storage.path)
     return pack(source, index, to, replace(opts, splits=splits), workers, progress)
 

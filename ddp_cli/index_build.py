@@ -35,7 +35,7 @@ def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | N
     entry = entry or load_registry(registry).get(cfg.data.dataset)
     fs, root = entry.open()
     index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image,
-                        entry.csv)
+                        entry.layout_options)
     if entry.unlabeled and cfg.semi.on() and "train" in splits:  # FixMatch's images nobody labelled
         index.splits[UNLABELED] = unlabeled_split(fs, root, entry.layout, entry.unlabeled,
                                                  cfg.data.on_bad_image)

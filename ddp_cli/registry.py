@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ddp_cli.config import describe_validation_error
 from ddp_cli.data.sources.csv_layout import CSV, CsvListing
-from ddp_cli.data.sources.layouts import KNOWN_LAYOUTS, infer_layout
+from ddp_cli.data.sources.layouts import KNOWN_LAYOUTS, LayoutOptions, infer_layout
+from ddp_cli.data.sources.parquet import PARQUET, ParquetOptions
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 from ddp_cli.userfiles import parse_toml, read_text, user_path
 
@@ -72,6 +73,8 @@ class DatasetEntry(BaseModel):
     storage: Storage
     csv: CsvListing | None = Field(None, description='layout = "csv": the listing and its columns '
                                    "([datasets.csv]); unset, the defaults.")
+    parquet: ParquetOptions | None = Field(None, description='layout = "parquet": which column holds the '
+                                           "class index ([datasets.parquet]); unset, the defaults.")
     unlabeled: str | None = Field(None, description="A split of images nobody labelled, whatever the layout: "
                                   "a folder under the root, every image under it; with layout shards a split "
                                   "of index.json, with parquet the files <name>-*.parquet (their labels "
@@ -83,11 +86,17 @@ class DatasetEntry(BaseModel):
         return one_of(layout, [AUTO, *KNOWN_LAYOUTS], "layout")
 
     @model_validator(mode="after")
-    def csv_table_for_csv_layout(self) -> DatasetEntry:
-        if self.csv is not None and self.layout != CSV:
-            raise ValueError(f'[datasets.csv] is for layout = "csv" (this entry\'s layout: {self.layout}); '
-                             'set layout = "csv" or remove the table')
+    def layout_table_for_its_layout(self) -> DatasetEntry:
+        for layout in (CSV, PARQUET):
+            if getattr(self, layout) is not None and self.layout != layout:
+                raise ValueError(f'[datasets.{layout}] is for layout = "{layout}" (this entry\'s layout: '
+                                 f'{self.layout}); set layout = "{layout}" or remove the table')
         return self
+
+    @property
+    def layout_options(self) -> LayoutOptions | None:
+        """The entry's table of its layout's own options ([datasets.csv] or [datasets.parquet]), if any."""
+        return self.csv if self.csv is not None else self.parquet
 
     def open(self) -> tuple[fsspec.AbstractFileSystem, str]:
         """The filesystem and root path; settles `layout = "auto"` from what the root holds."""

@@ -89,7 +89,7 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
     shared bench dict."""
     entry = load_registry(registry).get(name)
     fs, root = entry.open()
-    table = build_index(fs, root, entry.layout, splits=(split,), csv=entry.csv).splits[split]
+    table = build_index(fs, root, entry.layout, splits=(split,), options=entry.layout_options).splits[split]
     if len(table) < batch_size:
         raise ConfigError(f"bench data: the {split} split of {name!r} has {len(table)} images, fewer "
                           f"than --batch-size {batch_size}")

@@ -109,7 +109,8 @@ def bench_storage(names: list[str], registry: str | None, latency_ms: float, wor
                 entry = entry.model_copy(deep=True)
                 entry.storage.endpoint_url = proxy.url
             fs, root = entry.open()
-            split = build_index(fs, root, entry.layout, splits=("train",), csv=entry.csv).splits["train"]
+            split = build_index(fs, root, entry.layout, splits=("train",),
+                                options=entry.layout_options).splits["train"]
             if len(split) < batch_size:
                 raise ConfigError(f"bench data: {name!r} has {len(split)} train images, fewer than "
                                   f"--batch-size {batch_size}")

@@ -30,7 +30,7 @@ def rows_of(split: Split) -> list[tuple[str, int]]:
 
 def index(root: Path, on_bad_image: str = "skip", fs=FS, **spec):
     return build_index(fs, str(root), "csv", on_bad_image=on_bad_image,
-                       csv=CsvListing(**spec) if spec else None)
+                       options=CsvListing(**spec) if spec else None)
 
 
 @pytest.fixture
@@ -337,8 +337,13 @@ def test_the_registry_takes_a_csv_table_for_layout_csv(tmp_path):
                                                              "under the data set's root (relative, no ..)"),
     ({"layout": "csv", "csv": {"label_column": "path"}}, "path_column, label_column and split_column must "
                                                          "differ (found ['path', 'path', 'split'])"),
+    ({"layout": "imagefolder", "parquet": {"label_column": "fine_label"}},
+     '[datasets.parquet] is for layout = "parquet" (this entry\'s layout: imagefolder); set layout = '
+     '"parquet" or remove the table'),
+    ({"layout": "parquet", "parquet": {"label": "fine_label"}}, "parquet.label: unknown key"),
 ])
-def test_a_wrong_csv_table_is_exit_2_naming_the_entry_and_key(tmp_path, entry, message):
+def test_a_wrong_layout_table_is_exit_2_naming_the_entry_and_key(tmp_path, entry, message):
+    """[datasets.csv], and [datasets.parquet] as its twin."""
     path = registry_with(tmp_path, **entry)
     with pytest.raises(ConfigError) as info:
         load_registry(path)

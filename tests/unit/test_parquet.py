@@ -22,7 +22,14 @@ from ddp_cli.data.pipeline.images import BadImage
 from ddp_cli.data.pipeline.loaders import ImageDataset, open_reader, read_row
 from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.data.sources.layouts import build_index, infer_layout
-from ddp_cli.data.sources.parquet import info_class_names, parquet_files, readme_class_names, split_of
+from ddp_cli.data.sources.parquet import (
+    ParquetOptions,
+    class_label_features,
+    info_features,
+    parquet_files,
+    readme_class_labels,
+    split_of,
+)
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError, DataError
 
@@ -155,22 +162,22 @@ dataset_info:
   - name: train
 ---
 """
-    assert readme_class_names(card, "label") == ["tench, Tinca tinca", "cock's comb", "quoted é",
-                                                 "plain: with a colon"]
+    assert readme_class_labels(card) == {"coarse": ["not these"], "label": [
+        "tench, Tinca tinca", "cock's comb", "quoted é", "plain: with a colon"]}
     listed = card.replace("'0': tench, Tinca tinca", "- first").replace("'1': 'cock''s comb'", "- second")
     listed = listed.replace('"2": "quoted \\u00e9"\n', "").replace("'3': plain: with a colon\n", "")
-    assert readme_class_names(listed, "label") == ["first", "second"]
-    assert readme_class_names("# no front matter\n", "label") is None
-    assert readme_class_names(card, "fine_label") is None
+    assert readme_class_labels(listed)["label"] == ["first", "second"]
+    assert readme_class_labels("# no front matter\n") == {}
 
 
 def test_dataset_info_is_read_flat_or_under_its_config_and_bad_json_is_named(tmp_path):
     flat = {"features": {"label": {"_type": "ClassLabel", "names": ["a", "b"]}}}
-    assert info_class_names(json.dumps(flat), "label", "x") == ["a", "b"]
-    assert info_class_names(json.dumps({"cfg": flat}), "label", "x") == ["a", "b"]
-    assert info_class_names(json.dumps({"features": {"label": {"dtype": "int64"}}}), "label", "x") is None
+    assert class_label_features(info_features(json.dumps(flat), "x")) == {"label": ["a", "b"]}
+    assert class_label_features(info_features(json.dumps({"cfg": flat}), "x")) == {"label": ["a", "b"]}
+    plain = {"features": {"label": {"dtype": "int64"}}}
+    assert class_label_features(info_features(json.dumps(plain), "x")) == {}
     with pytest.raises(DataError, match="^where/dataset_info.json: not JSON"):
-        info_class_names("{", "label", "where/dataset_info.json")
+        info_features("{", "where/dataset_info.json")
 
 
 def test_loader_reads_a_row_group_once_and_keeps_a_bounded_few(hub, monkeypatch):
@@ -268,6 +275,48 @@ def test_a_missing_column_is_exit_3_naming_the_file_and_column(tmp_path, columns
     with pytest.raises(DataError, match=message) as info:
         build_index(FS, str(tmp_path), "parquet", splits=("train",))
     assert info.value.exit_code == 3
+
+
+def write_cifar(root: Path) -> None:
+    """CIFAR-100 as the hub ships it: `img`, and two ClassLabels, `fine_label` and `coarse_label`, declared
+    in the schema's `datasets` features only."""
+    features = {"img": {"_type": "Image"},
+                "fine_label": {"_type": "ClassLabel", "names": ["apple", "bee", "cup"]},
+                "coarse_label": {"_type": "ClassLabel", "names": ["fruit", "insect"]}}
+    metadata = {b"huggingface": json.dumps({"info": {"features": features}})}
+    table = pa.table({"img": pa.array([{"bytes": b"x", "path": None}] * 3, IMAGE), "fine_label": [2, 0, 1],
+                      "coarse_label": [0, 0, 1]}).replace_schema_metadata(metadata)
+    (root / "data").mkdir()
+    for split in ("train", "validation"):
+        pq.write_table(table, root / "data" / f"{split}-0.parquet")
+
+
+def test_of_two_class_label_columns_the_registry_names_one_else_the_error_names_both_and_the_fix(tmp_path):
+    write_cifar(tmp_path)
+    with pytest.raises(DataError) as info:
+        build_index(FS, str(tmp_path), "parquet", splits=("train",))
+    assert str(info.value) == (
+        f"{tmp_path}/data/train-0.parquet: no column 'label' (its columns: img, fine_label, coarse_label) "
+        "and 2 ClassLabel features (fine_label, coarse_label); name one in the registry entry: "
+        '[datasets.parquet] label_column = "fine_label" or label_column = "coarse_label"')
+    assert info.value.exit_code == 3
+    registry = write_registry(tmp_path, [{"name": "cifar", "layout": "parquet", "parquet": {
+        "label_column": "fine_label"}, "storage": {"driver": "FileSystem", "path": str(tmp_path)}}])
+    shown = last_json(ddp_in_process("datasets", "show", "cifar", "--registry", str(registry), "--json"))
+    assert shown["parquet"] == {"label_column": "fine_label"}
+    assert [c["synset"] for c in shown["classes"]] == ["apple", "bee", "cup"]
+    index = build_index(FS, str(tmp_path), "parquet", options=ParquetOptions(label_column="fine_label"))
+    assert index.splits["train"].labels.tolist() == [2, 0, 1]
+
+
+def test_the_one_class_label_column_is_taken_when_there_is_no_label_column(tmp_path):
+    """`beans`: its ClassLabel is `labels`, declared in the README's dataset card."""
+    (tmp_path / "data").mkdir()
+    images = pa.array([{"bytes": b"x", "path": None}] * 2, IMAGE)
+    pq.write_table(pa.table({"image": images, "labels": [1, 0]}), tmp_path / "data/train-0.parquet")
+    (tmp_path / "README.md").write_text(readme_with_classes(["healthy", "rust"], label="labels"))
+    index = build_index(FS, str(tmp_path), "parquet", splits=("train",))
+    assert index.classes == ["healthy", "rust"] and index.splits["train"].labels.tolist() == [1, 0]
 
 
 def test_a_split_without_files_names_the_names_it_looked_for(hub, tmp_path):

@@ -68,8 +68,7 @@ from ddp_cli.data.pack.destination import WORK, Destination
 from ddp_cli.data.pipeline.images import JPEG_MAGIC, BadImage, decode, open_image
 from ddp_cli.data.pipeline.loaders import open_reader, read_row
 from ddp_cli.data.pipeline.sampler import shard_order
-from ddp_cli.data.sources.csv_layout import CsvListing
-from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.data.sources.layouts import LayoutOptions, build_index
 from ddp_cli.data.sources.packed import PARQUET, PackedStrings, Split
 from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
 from ddp_cli.data.sources.table import UNLABELED, IndexTable
@@ -212,13 +211,14 @@ class Source:
 
 
 def pack_index(fs: fsspec.AbstractFileSystem, root: str, layout: str, splits: tuple[str, ...],
-               on_bad_image: str, csv: CsvListing | None = None, unlabeled: str | None = None) -> IndexTable:
+               on_bad_image: str, options: LayoutOptions | None = None,
+               unlabeled: str | None = None) -> IndexTable:
     """The source's index for `splits`, one split at a time so that each problem the index found (a row
     of an unknown synset, left out of the split) carries its split: `pack` lists it there, or stops.
     With `unlabeled` (a registry entry's), `UNLABELED` among `splits` is that split (unlabeled.py), packed
     under the name `UNLABELED`."""
     labelled = [name for name in splits if unlabeled is None or name != UNLABELED]
-    tables = {name: build_index(fs, root, layout, splits=(name,), on_bad_image=on_bad_image, csv=csv)
+    tables = {name: build_index(fs, root, layout, splits=(name,), on_bad_image=on_bad_image, options=options)
               for name in labelled}
     first = tables[labelled[0]]
     rows = {name: t.splits[name] for name, t in tables.items()}

@@ -28,8 +28,7 @@ import numpy as np
 from ddp_cli.data.fetch.parquet_reader import ParquetReader
 from ddp_cli.data.pipeline.images import BadImage, decode
 from ddp_cli.data.pipeline.loaders import Reader, open_reader, read_row
-from ddp_cli.data.sources.csv_layout import CsvListing
-from ddp_cli.data.sources.layouts import SHARDS, build_index
+from ddp_cli.data.sources.layouts import SHARDS, LayoutOptions, build_index
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.data.sources.shards import read_index
 from ddp_cli.data.sources.table import SPLITS, IndexTable
@@ -48,12 +47,12 @@ def check_dataset(
     splits: tuple[str, ...] = SPLITS,
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-    csv: CsvListing | None = None,
+    options: LayoutOptions | None = None,
 ) -> dict[str, Any]:
-    """Scan `splits` of the data set at `root` (`csv`: layout csv's listing); `progress(done, total)` is
-    called as files are checked."""
+    """Scan `splits` of the data set at `root` (`options`: its layout's, as `build_index`'s);
+    `progress(done, total)` is called as files are checked."""
     started = time.perf_counter()
-    index = build_index(fs, root, layout, splits=splits, csv=csv)
+    index = build_index(fs, root, layout, splits=splits, options=options)
     bad = list(index.problems) + nothing_to_learn(index, splits)
     if layout == SHARDS:
         bad += check_shards(fs, root, splits)

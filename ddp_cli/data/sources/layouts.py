@@ -3,8 +3,9 @@
 A layout is one module of this folder and one entry of `LAYOUTS`: its name (the
 registry's `layout`) and a function from (filesystem, root, classes, splits,
 on_bad_image) to an `IndexTable`. Layouts whose metadata lists files return a
-`Listing` and share `table.from_listing`; `shards` reads its own index. `csv` is the
-one with options of its own: the registry's `[datasets.csv]` (`CsvListing`).
+`Listing` and share `table.from_listing`; `shards` reads its own index. `csv` and
+`parquet` have options of their own (`LayoutOptions`): the registry's
+`[datasets.csv]` (`CsvListing`) and `[datasets.parquet]` (`ParquetOptions`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import fsspec
 from ddp_cli.data.fetch.retry import with_retries
 from ddp_cli.data.sources import csv_layout, imagefolder, imagenet_loc
 from ddp_cli.data.sources.csv_layout import CSV, CsvListing
-from ddp_cli.data.sources.parquet import PARQUET, parquet_table
+from ddp_cli.data.sources.parquet import PARQUET, ParquetOptions, parquet_table
 from ddp_cli.data.sources.shards import SHARDS, shards_table
 from ddp_cli.data.sources.table import SPLITS, IndexTable, Listing, from_listing
 from ddp_cli.errors import ConfigError, DataError
 
 Reader = Callable[[fsspec.AbstractFileSystem, str, int | list[str] | None, tuple[str, ...], str], IndexTable]
+LayoutOptions = CsvListing | ParquetOptions  # a registry entry's table of its layout's own, if any
 
 
 def listed(read: Callable[[fsspec.AbstractFileSystem, str, tuple[str, ...]], Listing]) -> Reader:
@@ -48,13 +50,17 @@ def build_index(
     classes: int | list[str] | None = None,
     splits: tuple[str, ...] = SPLITS,
     on_bad_image: str = "skip",
-    csv: CsvListing | None = None,
+    options: LayoutOptions | None = None,
 ) -> IndexTable:
-    """The layout's (optionally class-subset) index of the data set at `root`; `csv`: the listing of
-    layout csv, if not the default one."""
+    """The layout's (optionally class-subset) index of the data set at `root`; `options`: the layout's
+    own (the registry entry's `layout_options`), if not the defaults."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout {layout!r} is unknown; known layouts: {', '.join(KNOWN_LAYOUTS)}")
-    reader = listed(partial(csv_layout.listing, spec=csv)) if layout == CSV else LAYOUTS[layout]
+    reader = LAYOUTS[layout]
+    if layout == CSV:
+        reader = listed(partial(csv_layout.listing, spec=options))
+    elif layout == PARQUET:
+        reader = partial(parquet_table, spec=options)
     return reader(fs, root.rstrip("/"), classes, splits, on_bad_image)
 
 

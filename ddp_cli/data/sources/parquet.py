@@ -1,13 +1,16 @@
 """Layout `parquet`: image data sets as the Hugging Face hub ships them, read as they are.
 
 The files are `datasets`' Parquet: an image column (a struct of `bytes` and/or
-`path`, `datasets`' Image feature) and an integer `label`. Splits come from the
+`path`, `datasets`' Image feature) and an integer class index column: the
+registry's `[datasets.parquet] label_column` (`ParquetOptions`), else `label`,
+else the one ClassLabel feature the data set declares (CIFAR-100 declares two:
+`fine_label` and `coarse_label`, so it must be named). Splits come from the
 file names, anywhere under the root (ImageNet-1k: `data/train-00000-of-00294.parquet`,
 `data/validation-*`, `data/test-*`), or from the folder a file is in
 (`train/0000.parquet`): `train-*` is train, `validation-*`, `valid-*` and `val-*`
 are val, `test-*` is test; a registry entry's `unlabeled` names one more
 (`unlabeled-*`: images nobody labelled, every row kept, its label column, if any,
-not read). Class names, first found: the features in the
+not read). Class names, first found: the label column's ClassLabel names in the
 README.md's YAML front matter (`class_label: names:`), `dataset_info.json`, the
 features `datasets` writes into each file's schema, a `classes.txt` (a name per
 line, line i for label i); else the labels themselves ("0", "1", ...).
@@ -25,12 +28,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from ddp_cli.data.fetch.parquet_reader import ROW_MARK, hf_features, image_column, open_parquet
 from ddp_cli.data.fetch.retry import with_retries
@@ -44,6 +49,17 @@ LABEL = "label"  # the class index column: what `datasets` names a ClassLabel by
 CLASSES_FILE = "classes.txt"
 README, DATASET_INFO = "README.md", "dataset_info.json"
 READERS = 16  # files whose metadata and labels are read at once (remote: one request each at a time)
+T = TypeVar("T")
+
+
+class ParquetOptions(BaseModel):
+    """The registry's `[datasets.parquet]`: which column holds the class index."""
+
+    model_config = ConfigDict(extra="forbid")
+    label_column: str | None = Field(
+        None, min_length=1, description="The column of class indices (a ClassLabel: its names are the class "
+        'names), e.g. "fine_label" for CIFAR-100. Unset: label where the files have it, else the one '
+        "ClassLabel feature the data set declares.")
 
 
 def split_of(path: str, extra: tuple[str, ...] = ()) -> str | None:
@@ -85,15 +101,28 @@ class FileRows:
 
 def read_rows(fs: fsspec.AbstractFileSystem, root: str, file: str, label: str | None) -> FileRows:
     """`file`'s row groups and labels (the label column alone: no image is read; `label` None: none read,
-    every row's label -1); DataError naming the
-    file and the column when a column is missing, or the file when it is no readable Parquet (cut
-    short, corrupted: pyarrow's OSError or ArrowException, found by the fuzz suite)."""
+    every row's label -1); DataError naming the file and the column when a column is missing."""
     where = f"{root}/{file}"
+    return readable(where, lambda: file_rows(opened(fs, where), where, label))
+
+
+def first_schema(fs: fsspec.AbstractFileSystem, root: str, file: str) -> Any:
+    where = f"{root}/{file}"
+    return readable(where, lambda: opened(fs, where).schema_arrow)
+
+
+def opened(fs: fsspec.AbstractFileSystem, where: str) -> Any:
+    return with_retries(lambda: open_parquet(fs, where), where)
+
+
+def readable(where: str, read: Callable[[], T]) -> T:
+    """`read()` of the file `where`; a DataError naming it when it is gone or no readable Parquet (cut
+    short, corrupted: pyarrow's OSError or ArrowException, found by the fuzz suite)."""
     require_extra("parquet", f"{where}: layout parquet")
     import pyarrow as pa
 
     try:
-        return file_rows(with_retries(lambda: open_parquet(fs, where), where), where, label)
+        return read()
     except FileNotFoundError as e:
         raise DataError(f"{where}: missing (listed a moment ago); check the root") from e
     except (OSError, pa.ArrowException) as e:
@@ -114,7 +143,7 @@ def file_rows(parquet: Any, where: str, label: str | None) -> FileRows:
         return FileRows(groups, np.full(int(groups.sum()), -1, np.int64), unsafe_rows(parquet, image, groups))
     if label not in schema.names:
         raise DataError(f"{where}: no column {label!r} (its columns: {names}); layout parquet reads the "
-                        "class index from it")
+                        "class index from it: fix [datasets.parquet] label_column in the registry entry")
     import pyarrow as pa
 
     if not pa.types.is_integer(schema.field(label).type):
@@ -150,18 +179,21 @@ def no_missing_bytes(group: Any, image: str) -> bool:
 
 
 def parquet_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[str] | None,
-                  splits: tuple[str, ...], on_bad_image: str) -> IndexTable:
-    """The index table of a `datasets`-style Parquet root (module docstring)."""
+                  splits: tuple[str, ...], on_bad_image: str,
+                  spec: ParquetOptions | None = None) -> IndexTable:
+    """The index table of a `datasets`-style Parquet root (module docstring); `spec`: the registry's
+    `[datasets.parquet]`, if any."""
     files = parquet_files(fs, root)
     for name in splits:
         if name not in files:
             raise DataError(f"{root}: no Parquet files of the {name} split (named {name_pattern(name)} "
                             "anywhere under the root, or in a folder so named); found: "
                             f"{found_splits(files)}")
-    label = LABEL
     wanted = [(name, file) for name in splits for file in files[name]]
+    schema = first_schema(fs, root, wanted[0][1])
+    label = label_column(fs, root, wanted[0][1], schema, (spec or ParquetOptions()).label_column)
     rows, unsafe = read_files(fs, root, wanted, label, on_bad_image)
-    names = class_names(fs, root, label, first_schema(fs, root, wanted[0][1]))
+    names = class_names(fs, root, label, schema)
     if names is None:
         top = max((int(r.labels.max()) for r in rows.values() if len(r.labels)), default=-1)
         names = [str(i) for i in range(top + 1)]
@@ -241,26 +273,40 @@ def found_splits(files: dict[str, list[str]]) -> str:
     return ", ".join(f"{name} ({len(f)} files)" for name, f in files.items()) or "no Parquet file"
 
 
-def first_schema(fs: fsspec.AbstractFileSystem, root: str, file: str) -> Any:
-    where = f"{root}/{file}"
-    return with_retries(lambda: open_parquet(fs, where), where).schema_arrow
+def label_column(fs: fsspec.AbstractFileSystem, root: str, file: str, schema: Any, named: str | None) -> str:
+    """The class index column: `named` (the registry's), else `label` where `file` has it, else the one
+    ClassLabel feature among its columns the data set declares; else a DataError naming the file, its
+    columns, the ClassLabel features found and the registry key that names one."""
+    if named is not None or LABEL in schema.names:
+        return named or LABEL
+    found = next((columns for declared in class_labels(fs, root, schema)
+                  if (columns := [name for name in declared if name in schema.names])), [])
+    if len(found) == 1:
+        return found[0]
+    what = (f"{len(found)} ClassLabel features ({', '.join(found)}); name one" if found
+            else "no ClassLabel feature in its metadata; name the class index column")
+    fix = " or ".join(f'label_column = "{name}"' for name in found) or 'label_column = "..."'
+    raise DataError(f"{root}/{file}: no column {LABEL!r} (its columns: {', '.join(schema.names)}) and {what} "
+                    f"in the registry entry: [datasets.parquet] {fix}")
+
+
+def class_labels(fs: fsspec.AbstractFileSystem, root: str, schema: Any) -> Iterator[dict[str, list[str]]]:
+    """The ClassLabel features (name: class names) each source declares, in order: README.md's front
+    matter, dataset_info.json, the schema's `datasets` features; each file read only when asked for."""
+    readme = read_text(fs, f"{root}/{README}")
+    if readme is not None:
+        yield readme_class_labels(readme)
+    info = read_text(fs, f"{root}/{DATASET_INFO}")
+    if info is not None:
+        yield class_label_features(info_features(info, f"{root}/{DATASET_INFO}"))
+    yield class_label_features(hf_features(schema))
 
 
 def class_names(fs: fsspec.AbstractFileSystem, root: str, label: str, schema: Any) -> list[str] | None:
     """The class names, from the first source that has them (module docstring), or None."""
-    readme = read_text(fs, f"{root}/{README}")
-    if readme is not None:
-        names = readme_class_names(readme, label)
-        if names is not None:
-            return names
-    info = read_text(fs, f"{root}/{DATASET_INFO}")
-    if info is not None:
-        names = info_class_names(info, label, f"{root}/{DATASET_INFO}")
-        if names is not None:
-            return names
-    names = features_class_names(hf_features(schema), label)
-    if names is not None:
-        return names
+    for declared in class_labels(fs, root, schema):
+        if label in declared:
+            return declared[label]
     listed = read_text(fs, f"{root}/{CLASSES_FILE}")
     if listed is not None:
         return [line.strip() for line in listed.splitlines() if line.strip()]
@@ -274,41 +320,41 @@ def read_text(fs: fsspec.AbstractFileSystem, where: str) -> str | None:
         return None
 
 
-def features_class_names(features: Any, label: str) -> list[str] | None:
-    """`datasets`' features as JSON: {label: {"_type": "ClassLabel", "names": [...]}}."""
-    feature = features.get(label) if isinstance(features, dict) else None
-    if isinstance(feature, dict) and isinstance(feature.get("names"), list):
-        return [str(n) for n in feature["names"]]
-    return None
+def class_label_features(features: Any) -> dict[str, list[str]]:
+    """The ClassLabels of `datasets`' features as JSON: {name: {"_type": "ClassLabel", "names": [...]}}."""
+    items = features.items() if isinstance(features, dict) else ()
+    return {name: [str(n) for n in feature["names"]] for name, feature in items
+            if isinstance(feature, dict) and isinstance(feature.get("names"), list)}
 
 
-def info_class_names(text: str, label: str, where: str) -> list[str] | None:
-    """`dataset_info.json`: the features at the top, or under a single config name (dataset_infos.json)."""
+def info_features(text: str, where: str) -> Any:
+    """`dataset_info.json`'s features: at the top, or under a single config name (dataset_infos.json)."""
     try:
         info = json.loads(text)
     except ValueError as e:
         raise DataError(f"{where}: not JSON ({e}); fix it or remove it") from e
     if isinstance(info, dict) and "features" not in info and len(info) == 1:
         info = next(iter(info.values()))
-    return features_class_names(info.get("features") if isinstance(info, dict) else None, label)
+    return info.get("features") if isinstance(info, dict) else None
 
 
-def readme_class_names(text: str, label: str) -> list[str] | None:
-    """The `class_label: names:` of feature `label` in a README's YAML front matter (the hub's dataset
-    card), or None. Read without a YAML library: the names block is a map of index to name (or a list)."""
+def readme_class_labels(text: str) -> dict[str, list[str]]:
+    """The ClassLabel features of a README's YAML front matter (the hub's dataset card), each with its
+    `class_label: names:` (the first, if several configs name it). Read without a YAML library: the
+    names block is a map of index to name (or a list)."""
     lines = text.splitlines()
     if not lines or lines[0].strip() != "---":
-        return None
+        return {}
     end = next((i for i, line in enumerate(lines[1:], 1) if line.strip() == "---"), len(lines))
-    feature, i = None, 1
-    while i < end:
+    found: dict[str, list[str]] = {}
+    feature = None
+    for i in range(1, end):
         stripped = lines[i].strip()
         if stripped.startswith("- name:"):
             feature = unquote(stripped.removeprefix("- name:").strip())
-        elif stripped == "names:" and feature == label and "class_label" in lines[i - 1]:
-            return names_block(lines, i, end)
-        i += 1
-    return None
+        elif stripped == "names:" and feature is not None and "class_label" in lines[i - 1]:
+            found.setdefault(feature, names_block(lines, i, end))
+    return found
 
 
 def names_block(lines: list[str], at: int, end: int) -> list[str]:
