@@ -99,6 +99,10 @@ class BucketMirror:
             manifest = manifest_path(path).read_bytes()
             self.bucket.put(path, name)
         except FileNotFoundError:  # pruned here before its turn came (its removal is queued next)
+            log.warning("warning: %s was pruned on the node before its turn to upload: the bucket upload is "
+                        "slower than the checkpoints come (the bucket's newest is %s); raise "
+                        "checkpoint.every_steps or checkpoint.keep_last, or use a faster link",
+                        self.bucket.url_of(name), self.safe or "none yet")
             self._aliases_as_they_are(aliases)
             return
         self.bucket.write(self._name(manifest_path(path)), manifest)  # now it counts

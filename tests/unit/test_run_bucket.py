@@ -5,6 +5,7 @@ transient faults retried, an upload that keeps failing named with the last safe 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -167,6 +168,30 @@ def test_an_upload_that_keeps_failing_ends_the_run_naming_it_and_the_last_safe_c
     assert sorted(p.name for p in (tmp_path / "resume/checkpoints").iterdir()) == [
         "step-000000001.pt", "step-000000001.pt.json"]  # never step 3, uploaded after the failure
 
+
+
+def test_a_checkpoint_pruned_before_its_turn_to_upload_is_skipped_and_said(run_url, tmp_path, monkeypatch,
+                                                                         caplog):
+    reached, held, write = threading.Event(), threading.Event(), RunBucket.write
+
+    def slow_write(self, name, data):  # step 1's upload ends as late as the test says
+        if name == "checkpoints/step-000000001.pt.json":
+            reached.set()
+            assert held.wait(30)
+        return write(self, name, data)
+    monkeypatch.setattr(RunBucket, "write", slow_write)
+    store, mirror = mirrored_store(tmp_path / "run", run_url, keep_last=1)
+    save(store, 1)
+    assert reached.wait(30)
+    for step in (2, 3):  # 2 is pruned on the node while 1 goes up
+        save(store, step)
+    held.set()
+    mirror.close()
+    assert "checkpoints/step-000000002.pt" not in contents(run_url)
+    said = [r.getMessage() for r in caplog.records if "pruned on the node" in r.getMessage()]
+    assert len(said) == 1 and f"{run_url}/checkpoints/step-000000002.pt was pruned" in said[0], said
+    assert f"the bucket's newest is {run_url}/checkpoints/step-000000001.pt" in said[0]
+    assert "checkpoint.every_steps" in said[0]
 
 def test_a_node_other_than_rank_0s_uploads_its_ranks_logs_only(run_url, tmp_path):
     """Its metrics.jsonl is the copy it downloaded at start: uploaded, it would undo rank 0's."""
