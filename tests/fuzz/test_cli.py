@@ -64,3 +64,12 @@ def test_webdataset_index_family(tmp_path: Path):
     (tmp_path / "w-000.tar").write_bytes(b"not a tar at all" * 64)
     one_line_naming(ddp_in_process("datasets", "index", str(tmp_path), "--split", "train=w-*.tar"), 3,
                     "w-000.tar")
+
+
+def test_webdataset_index_of_a_root_read_as_it_is_says_so(tmp_path: Path):
+    for split in ("train", "val"):
+        (tmp_path / "tree" / split / "c0").mkdir(parents=True)
+    one_line_naming(ddp_in_process("datasets", "index", str(tmp_path / "tree")), 3,
+                    'no index needed): point a registry entry with layout = "imagefolder" at it')
+    one_line_naming(ddp_in_process("datasets", "index", str(tmp_path / "tree" / "train")), 3,
+                    "give --split train=GLOB")

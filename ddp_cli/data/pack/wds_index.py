@@ -23,8 +23,17 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ddp_cli.data.pack.writer import Destination
+from ddp_cli.data.sources.layouts import infer_layout
 from ddp_cli.data.sources.packed import PackedStrings
-from ddp_cli.data.sources.shards import INDEX, Samples, ShardInfo, ShardsIndex, SplitInfo, samples_name
+from ddp_cli.data.sources.shards import (
+    INDEX,
+    SHARDS,
+    Samples,
+    ShardInfo,
+    ShardsIndex,
+    SplitInfo,
+    samples_name,
+)
 from ddp_cli.errors import DataError
 from ddp_cli.userfiles import read_text
 
@@ -84,6 +93,19 @@ def scan_shard(f: BinaryIO, name: str) -> tuple[ShardInfo, list[tuple[str, str, 
     return info, samples, skipped
 
 
+def read_as_it_is(dest: Destination) -> str | None:
+    """What to do instead, where `dest` holds a data set ddp reads without an index (Parquet, an
+    ImageFolder tree, ImageNet's layout) or one indexed already; None where it holds none of them."""
+    try:
+        layout = infer_layout(dest.fs, dest.root)
+    except DataError:
+        return None
+    if layout == SHARDS:
+        return f"its {INDEX} is there already: point a registry entry with layout = \"shards\" at it"
+    return (f"it holds a data set of layout {layout!r}, which ddp reads as it is (no index needed): point a "
+            f"registry entry with layout = \"{layout}\" at it")
+
+
 def index_shards(root: str, splits: dict[str, str], classes_file: str | None,
                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Write index.json and the samples tables for the shards of `root` matching each split's glob."""
@@ -93,8 +115,8 @@ def index_shards(root: str, splits: dict[str, str], classes_file: str | None,
              for name, pattern in splits.items()}
     for name, shards in found.items():
         if not shards:
-            raise DataError(f"{dest.url}: no shard matches {splits[name]!r} for the {name} split; give "
-                            f"--split {name}=GLOB")
+            raise DataError(f"{dest.url}: no shard matches {splits[name]!r} for the {name} split; "
+                            f"{read_as_it_is(dest) or f'give --split {name}=GLOB'}")
     total, done = sum(map(len, found.values())), 0
     infos: dict[str, SplitInfo] = {}
     highest, highest_in = -1, ""  # the highest label, and the shard holding it
