@@ -4,14 +4,16 @@ images, rounds alternated, medians over rounds.
 
     python benchmarks/parquet_decode.py /tmp/parquet-bench --rounds 7
 
-Rows (all through ddp's readers, only the last two rewrite the files):
-- files: `FileReader.read` of each JPEG (an open, a read, a close): the baseline;
-- parquet, lone reader: `ParquetReader.read` of each row as the hub's files are (100-row groups, snappy,
+Every image is read as training reads it (`loaders.read_row`: its bytes and its header). Rows:
+- files: each JPEG through the file reader (an open, a read, a close): the baseline;
+- parquet, lone reader: each row of the hub's files as they are (100-row groups, snappy,
   the image bytes dictionary-encoded as `datasets`/pyarrow write them): one `read_row_group` per group;
 - parquet, node copies: the same with 2 readers on the node (LOCAL_WORLD_SIZE=2), so each group is also
   written to the node's folder and every image read back with a `pread` (what 2 loader processes pay);
 - the same bytes rewritten PLAIN-encoded (no dictionary), then also uncompressed: what the encoding
-  costs, which ddp cannot choose for files it reads as they are.
+  costs, which ddp cannot choose for files it reads as they are;
+- the same bytes packed into shards (`layout = "shards"`, one `pread` per image), when `ROOT/shards` holds
+  them: `ddp datasets pack files --to ROOT/shards --split train --registry ROOT/data.toml`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import pyarrow.parquet as pq
 
 from ddp_cli.data.fetch.parquet_reader import ParquetReader
 from ddp_cli.data.fetch.row_groups import NodeGroups
-from ddp_cli.data.fetch.storage import FileReader
+from ddp_cli.data.pipeline.loaders import open_reader, read_row
 from ddp_cli.data.sources.layouts import build_index
 
 
@@ -44,24 +46,20 @@ def rewritten(parquet: Path, out: Path, **options: object) -> Path:
     return out
 
 
-def parquet_rows(root: Path, node: Path | None) -> Callable[[], int]:
-    """A pass over the train rows of the Parquet root, group by group (as a window reads them)."""
+def rows_of(root: Path, layout: str, node: Path | None = None) -> Callable[[], int]:
+    """A pass over the train images of `root` in index order (a Parquet root's row group by row group, a
+    shards root's shard by shard), each read as training reads it (`read_row`: the bytes and the image
+    header); `node`: a Parquet root's node copies there, written and read back."""
     fs = fsspec.filesystem("file")
-    split = build_index(fs, str(root), "parquet").splits["train"]
+    split = build_index(fs, str(root), layout, splits=("train",)).splits["train"]
 
     def run() -> int:
-        shutil.rmtree(node, ignore_errors=True) if node else None
-        shared = NodeGroups(node, 8) if node else None
-        reader = ParquetReader(fs, str(root), 10, shared=shared)
-        return sum(len(reader.read(p, m)) for p, m in zip(split.paths, split.members, strict=True))
+        if node is not None:
+            shutil.rmtree(node, ignore_errors=True)
+        reader = (ParquetReader(fs, str(root), 10, shared=NodeGroups(node, 8)) if node is not None
+                  else open_reader(fs, str(root), split))
+        return sum(len(read_row(reader, split, row).data) for row in range(len(split)))
     return run
-
-
-def file_rows(root: Path) -> Callable[[], int]:
-    fs = fsspec.filesystem("file")
-    split = build_index(fs, str(root), "imagenet-loc").splits["train"]
-    reader = FileReader(fs, str(root))
-    return lambda: sum(len(reader.read(p)) for p in split.paths)
 
 
 def main() -> None:
@@ -74,11 +72,13 @@ def main() -> None:
         work = Path(tmp)
         plain = rewritten(root / "parquet", work / "plain", use_dictionary=False)
         bare = rewritten(root / "parquet", work / "bare", use_dictionary=False, compression="none")
-        rows = {"files": file_rows(root / "jpegs"),
-                "parquet, lone reader": parquet_rows(root / "parquet", None),
-                "parquet, node copies": parquet_rows(root / "parquet", work / "node"),
-                "parquet PLAIN, lone reader": parquet_rows(plain, None),
-                "parquet PLAIN uncompressed, lone reader": parquet_rows(bare, None)}
+        rows = {"files": rows_of(root / "jpegs", "imagenet-loc"),
+                "parquet, lone reader": rows_of(root / "parquet", "parquet"),
+                "parquet, node copies": rows_of(root / "parquet", "parquet", work / "node"),
+                "parquet PLAIN, lone reader": rows_of(plain, "parquet"),
+                "parquet PLAIN uncompressed, lone reader": rows_of(bare, "parquet")}
+        if (root / "shards" / "index.json").is_file():
+            rows["shards (the files packed)"] = rows_of(root / "shards", "shards")
         os.environ["LOCAL_WORLD_SIZE"] = "2"  # `readers_on_node`: the node copies are written and read
         times: dict[str, list[float]] = {name: [] for name in rows}
         images = len(build_index(fsspec.filesystem("file"), str(root / "jpegs"), "imagenet-loc")
