@@ -74,7 +74,8 @@ class DatasetEntry(BaseModel):
     csv: CsvListing | None = Field(None, description='layout = "csv": the listing and its columns '
                                    "([datasets.csv]); unset, the defaults.")
     parquet: ParquetOptions | None = Field(None, description='layout = "parquet": which column holds the '
-                                           "class index ([datasets.parquet]); unset, the defaults.")
+                                           "class index and which split is val ([datasets.parquet]); unset, "
+                                           "the defaults.")
     unlabeled: str | None = Field(None, description="A split of images nobody labelled, whatever the layout: "
                                   "a folder under the root, every image under it; with layout shards a split "
                                   "of index.json, with parquet the files <name>-*.parquet (their labels "
@@ -91,6 +92,15 @@ class DatasetEntry(BaseModel):
             if getattr(self, layout) is not None and self.layout != layout:
                 raise ValueError(f'[datasets.{layout}] is for layout = "{layout}" (this entry\'s layout: '
                                  f'{self.layout}); set layout = "{layout}" or remove the table')
+        return self
+
+    @model_validator(mode="after")
+    def val_split_not_unlabeled(self) -> DatasetEntry:
+        """A Parquet split read as val and as images nobody labelled would be trained on and scored."""
+        val_split = self.parquet.val_split if self.parquet is not None else None
+        if val_split is not None and val_split == self.unlabeled:
+            raise ValueError(f"[datasets.parquet] val_split {val_split!r} is this entry's unlabeled split "
+                             "too; name another split for one of them")
         return self
 
     @property

@@ -341,6 +341,11 @@ def test_the_registry_takes_a_csv_table_for_layout_csv(tmp_path):
      '[datasets.parquet] is for layout = "parquet" (this entry\'s layout: imagefolder); set layout = '
      '"parquet" or remove the table'),
     ({"layout": "parquet", "parquet": {"label": "fine_label"}}, "parquet.label: unknown key"),
+    ({"layout": "parquet", "parquet": {"val_split": "train"}},
+     'parquet.val_split: "train" is the train split; name the split to validate on, e.g. "test"'),
+    ({"layout": "parquet", "unlabeled": "extra", "parquet": {"val_split": "extra"}},
+     "[datasets.parquet] val_split 'extra' is this entry's unlabeled split too; name another split for one "
+     "of them"),
 ])
 def test_a_wrong_layout_table_is_exit_2_naming_the_entry_and_key(tmp_path, entry, message):
     """[datasets.csv], and [datasets.parquet] as its twin."""

@@ -28,6 +28,7 @@ from ddp_cli.data.sources.parquet import (
     info_features,
     parquet_files,
     readme_class_labels,
+    split_names,
     split_of,
 )
 from ddp_cli.data.sources.table import IndexTable
@@ -277,9 +278,9 @@ def test_a_missing_column_is_exit_3_naming_the_file_and_column(tmp_path, columns
     assert info.value.exit_code == 3
 
 
-def write_cifar(root: Path) -> None:
-    """CIFAR-100 as the hub ships it: `img`, and two ClassLabels, `fine_label` and `coarse_label`, declared
-    in the schema's `datasets` features only."""
+def write_cifar(root: Path, splits: tuple[str, ...] = ("train", "validation")) -> None:
+    """CIFAR-100 as the hub ships it (but for `splits`): `img`, and two ClassLabels, `fine_label` and
+    `coarse_label`, declared in the schema's `datasets` features only."""
     features = {"img": {"_type": "Image"},
                 "fine_label": {"_type": "ClassLabel", "names": ["apple", "bee", "cup"]},
                 "coarse_label": {"_type": "ClassLabel", "names": ["fruit", "insect"]}}
@@ -287,7 +288,7 @@ def write_cifar(root: Path) -> None:
     table = pa.table({"img": pa.array([{"bytes": b"x", "path": None}] * 3, IMAGE), "fine_label": [2, 0, 1],
                       "coarse_label": [0, 0, 1]}).replace_schema_metadata(metadata)
     (root / "data").mkdir()
-    for split in ("train", "validation"):
+    for split in splits:
         pq.write_table(table, root / "data" / f"{split}-0.parquet")
 
 
@@ -307,6 +308,39 @@ def test_of_two_class_label_columns_the_registry_names_one_else_the_error_names_
     assert [c["synset"] for c in shown["classes"]] == ["apple", "bee", "cup"]
     index = build_index(FS, str(tmp_path), "parquet", options=ParquetOptions(label_column="fine_label"))
     assert index.splits["train"].labels.tolist() == [2, 0, 1]
+
+
+def test_a_root_of_train_and_test_only_validates_on_test_with_val_split(tmp_path):
+    """CIFAR's files as the hub ships them: without val_split the error names the key to set; with it, val
+    holds the test files' rows (a validation-* file then left out) wherever the index is built."""
+    write_cifar(tmp_path, ("train", "test"))
+    fine = {"label_column": "fine_label"}
+    with pytest.raises(DataError) as info:
+        build_index(FS, str(tmp_path), "parquet", options=ParquetOptions(**fine))
+    assert str(info.value) == (
+        f"{tmp_path}: no Parquet files of the val split (named validation-* or valid-* or val-* anywhere "
+        "under the root, or in a folder so named); found: test (1 files), train (1 files); to validate on "
+        'its test files, set [datasets.parquet] val_split = "test" in the registry entry')
+    with pytest.raises(DataError, match=r"val split \(named dev-\* anywhere under the root, or in a folder "
+                                        r"so named as \[datasets.parquet\] val_split says\); found: test "
+                                        r"\(1 files\), train \(1 files\)$"):
+        build_index(FS, str(tmp_path), "parquet", options=ParquetOptions(**fine, val_split="dev"))
+    (tmp_path / "data/validation-0.parquet").write_bytes((tmp_path / "data/test-0.parquet").read_bytes())
+    index = build_index(FS, str(tmp_path), "parquet", options=ParquetOptions(**fine, val_split="test"))
+    val = index.splits["val"]
+    assert [val.paths[i] for i in range(len(val))] == [f"data/test-0.parquet#{i}" for i in range(3)]
+    registry = write_registry(tmp_path, [{"name": "cifar", "layout": "parquet", "parquet": {
+        **fine, "val_split": "test"}, "storage": {"driver": "FileSystem", "path": str(tmp_path)}}])
+    shown = last_json(ddp_in_process("datasets", "show", "cifar", "--registry", str(registry), "--json"))
+    assert shown["splits"] == {"train": {"images": 3, "classes": 3}, "val": {"images": 3, "classes": 3}}
+
+
+@pytest.mark.parametrize(("path", "names", "split"), [
+    ("test/0000.parquet", split_names("test"), "val"), ("validation-0.parquet", split_names("test"), None),
+    ("val_extra-0.parquet", split_names(extra=("val_extra",)), "val_extra"),
+])
+def test_val_split_and_unlabeled_names_are_read_as_their_split(path, names, split):
+    assert split_of(path, names) == split
 
 
 def test_the_one_class_label_column_is_taken_when_there_is_no_label_column(tmp_path):

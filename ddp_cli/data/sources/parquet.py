@@ -8,7 +8,8 @@ else the one ClassLabel feature the data set declares (CIFAR-100 declares two:
 file names, anywhere under the root (ImageNet-1k: `data/train-00000-of-00294.parquet`,
 `data/validation-*`, `data/test-*`), or from the folder a file is in
 (`train/0000.parquet`): `train-*` is train, `validation-*`, `valid-*` and `val-*`
-are val, `test-*` is test; a registry entry's `unlabeled` names one more
+are val, `test-*` is test, or `[datasets.parquet] val_split` names the one val
+split in place of those (`test`: CIFAR's); a registry entry's `unlabeled` names one more
 (`unlabeled-*`: images nobody labelled, every row kept, its label column, if any,
 not read). Class names, first found: the label column's ClassLabel names in the
 README.md's YAML front matter (`class_label: names:`), `dataset_info.json`, the
@@ -35,7 +36,7 @@ from typing import Any, TypeVar
 
 import fsspec
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ddp_cli.data.fetch.parquet_reader import ROW_MARK, hf_features, image_column, open_parquet
 from ddp_cli.data.fetch.retry import with_retries
@@ -53,37 +54,56 @@ T = TypeVar("T")
 
 
 class ParquetOptions(BaseModel):
-    """The registry's `[datasets.parquet]`: which column holds the class index."""
+    """The registry's `[datasets.parquet]`: which column holds the class index, which split is val."""
 
     model_config = ConfigDict(extra="forbid")
     label_column: str | None = Field(
         None, min_length=1, description="The column of class indices (a ClassLabel: its names are the class "
         'names), e.g. "fine_label" for CIFAR-100. Unset: label where the files have it, else the one '
         "ClassLabel feature the data set declares.")
+    val_split: str | None = Field(
+        None, min_length=1, description="The hub split read as ddp's val split: its files <name>-*.parquet, "
+        'or in a folder so named, e.g. "test" for a data set shipped as train and test only (CIFAR-10, '
+        "CIFAR-100, MNIST). Files named validation-*, valid-* and val-* are then left out (read as no "
+        "split; `ddp datasets show` reports each split as read). Unset: validation, valid and val.")
+
+    @field_validator("val_split")
+    @classmethod
+    def not_train(cls, val_split: str | None) -> str | None:
+        if val_split == "train":
+            raise ValueError('"train" is the train split; name the split to validate on, e.g. "test"')
+        return val_split
 
 
-def split_of(path: str, extra: tuple[str, ...] = ()) -> str | None:
-    """The split a Parquet file under the root belongs to, from its name or else its folder's; `extra`:
-    split names besides the usual ones, each its own split (`unlabeled`)."""
-    splits = {**SPLIT_OF, **{name: name for name in extra}}
-    pattern = re.compile(rf"^({'|'.join(map(re.escape, splits))})(?:[-_.].*)?$")
+def split_names(val_split: str | None = None, extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """The split of each file name prefix: `SPLIT_OF`, with `val_split` (if set) the one val name in place
+    of validation, valid and val; `extra`: split names besides, each its own split (`unlabeled`)."""
+    usual = SPLIT_OF if val_split is None else {
+        **{prefix: split for prefix, split in SPLIT_OF.items() if split != "val"}, val_split: "val"}
+    return {**usual, **{name: name for name in extra}}
+
+
+def split_of(path: str, names: dict[str, str] = SPLIT_OF) -> str | None:
+    """The split a Parquet file under the root belongs to, from its name or else its folder's; `names`:
+    `split_names`' (the longest prefix first: `val_extra-0` is not `val`)."""
+    pattern = re.compile(rf"^({'|'.join(map(re.escape, sorted(names, key=len, reverse=True)))})(?:[-_.].*)?$")
     *folders, name = path.split("/")
     for candidate in (name.removesuffix(".parquet"), *(folders[-1:])):
         match = pattern.match(candidate)
         if match:
-            return splits[match.group(1)]
+            return names[match.group(1)]
     return None
 
 
 def parquet_files(fs: fsspec.AbstractFileSystem, root: str,
-                  extra: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """Per split, its Parquet files under `root` (relative, sorted: shard 00000 first); `extra` as
+                  names: dict[str, str] = SPLIT_OF) -> dict[str, list[str]]:
+    """Per split, its Parquet files under `root` (relative, sorted: shard 00000 first); `names` as
     `split_of`'s."""
     found = with_retries(lambda: fs.find(root), root)
     prefix = fs._strip_protocol(root).rstrip("/") + "/"
     files: dict[str, list[str]] = {}
     for path in sorted(p.removeprefix(prefix) for p in found if p.endswith(".parquet")):
-        split = split_of(path, extra)
+        split = split_of(path, names)
         if split and not any(part.startswith(".") for part in path.split("/")):
             files.setdefault(split, []).append(path)
     return files
@@ -183,15 +203,15 @@ def parquet_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[
                   spec: ParquetOptions | None = None) -> IndexTable:
     """The index table of a `datasets`-style Parquet root (module docstring); `spec`: the registry's
     `[datasets.parquet]`, if any."""
-    files = parquet_files(fs, root)
+    spec = spec or ParquetOptions()
+    prefixes = split_names(spec.val_split)
+    files = parquet_files(fs, root, prefixes)
     for name in splits:
         if name not in files:
-            raise DataError(f"{root}: no Parquet files of the {name} split (named {name_pattern(name)} "
-                            "anywhere under the root, or in a folder so named); found: "
-                            f"{found_splits(files)}")
+            raise DataError(missing_split(root, name, files, prefixes, spec.val_split))
     wanted = [(name, file) for name in splits for file in files[name]]
     schema = first_schema(fs, root, wanted[0][1])
-    label = label_column(fs, root, wanted[0][1], schema, (spec or ParquetOptions()).label_column)
+    label = label_column(fs, root, wanted[0][1], schema, spec.label_column)
     rows, unsafe = read_files(fs, root, wanted, label, on_bad_image)
     names = class_names(fs, root, label, schema)
     if names is None:
@@ -211,7 +231,7 @@ def parquet_table(fs: fsspec.AbstractFileSystem, root: str, classes: int | list[
 def parquet_unlabeled(fs: fsspec.AbstractFileSystem, root: str, name: str, on_bad_image: str) -> Split:
     """Split `name` of a Parquet root (files `<name>-*`, or in a folder so named) as images nobody
     labelled: every row, of label -1, the label column not read."""
-    found = parquet_files(fs, root, (name,))
+    found = parquet_files(fs, root, split_names(extra=(name,)))
     files = found.get(name)
     if not files:
         raise DataError(f"{root}: no Parquet files of the unlabeled split {name!r} (named {name}-* anywhere "
@@ -265,8 +285,19 @@ def split_rows(files: list[tuple[str, FileRows]],
     return Split.of(paths, mapped[chosen], members, starts, container=PARQUET), problems
 
 
-def name_pattern(split: str) -> str:
-    return " or ".join(f"{prefix}-*" for prefix, name in SPLIT_OF.items() if name == split)
+def missing_split(root: str, split: str, files: dict[str, list[str]], names: dict[str, str],
+                  val_split: str | None) -> str:
+    """Why `split` has no files: the names looked for (as `val_split` set them), the splits found, and
+    for a val missing beside test files (CIFAR's train and test only) the key that reads test as val."""
+    chosen = " as [datasets.parquet] val_split says" if split == "val" and val_split else ""
+    fix = ('; to validate on its test files, set [datasets.parquet] val_split = "test" in the registry entry'
+           if split == "val" and val_split is None and "test" in files else "")
+    return (f"{root}: no Parquet files of the {split} split (named {name_pattern(split, names)} anywhere "
+            f"under the root, or in a folder so named{chosen}); found: {found_splits(files)}{fix}")
+
+
+def name_pattern(split: str, names: dict[str, str] = SPLIT_OF) -> str:
+    return " or ".join(f"{prefix}-*" for prefix, name in names.items() if name == split)
 
 
 def found_splits(files: dict[str, list[str]]) -> str:
