@@ -37,9 +37,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import fsspec
+import numpy as np
 
 from ddp_cli.data.fetch.retry import IoPolicy, with_retries
-from ddp_cli.data.fetch.row_groups import NodeGroups, readers_on_node
+from ddp_cli.data.fetch.row_groups import NodeGroups, group_bytes, readers_on_node
 from ddp_cli.data.fetch.storage import (
     UNSAFE_PATH,
     FileReader,
@@ -115,7 +116,7 @@ class ParquetReader:
         self._pid, self._lock = os.getpid(), threading.Lock()
         self._node = self.shared if self.shared is not None and readers_on_node() > 1 else None
         self._open: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # file -> (ParquetFile, image column)
-        self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()  # (file, group) -> StructArray
+        self._groups: OrderedDict[tuple[str, int], tuple[Any, Any, Any]] = OrderedDict()  # `_group`'s
         self._versions: dict[str, str] = {}  # file -> `_version`
         self._ahead: ThreadPoolExecutor | None = None  # `read_ahead`'s thread, its open files, its reads
         self._open_ahead: OrderedDict[str, tuple[Any, str]] = OrderedDict()
@@ -164,11 +165,12 @@ class ParquetReader:
                 name = self._name(file, group)
                 if (data := self._node.read(name, row, lambda: self._read_group(file, group))) is not None:
                     return data
-            image = self._group(file, group)[row]
-        data = image["bytes"].as_py() if "bytes" in image.type.names else None  # the path only if needed
-        if data is not None:
-            return data
-        name = image["path"].as_py() if "path" in image.type.names else None
+            images, data, spans = self._group(file, group)
+            start, end = (int(v) for v in spans[row])
+            if start >= 0:
+                return bytes(data[start:end])
+            image = images[row]
+        name = image["path"].as_py() if "path" in image.type.names else None  # no bytes: its path
         if not name:
             raise FileNotFoundError(f"{path}: no image (bytes and path both empty)")
         return self.files.read(name)
@@ -192,12 +194,14 @@ class ParquetReader:
             self._reset()
         return self._lock
 
-    def _group(self, file: str, group: int) -> Any:
-        """Row group `group` of `file`'s image column (most recently used last; the least recently used
-        dropped past `keep`)."""
+    def _group(self, file: str, group: int) -> tuple[Any, memoryview | None, np.ndarray]:
+        """Row group `group` of `file`'s image column, its bytes and their spans (`group_bytes`: a row's
+        bytes without an Arrow scalar per row); most recently used last, the least recently used dropped
+        past `keep`."""
         key = (file, group)
         if key not in self._groups:
-            self._groups[key] = self._ahead_or_read(file, group)
+            images = self._ahead_or_read(file, group)
+            self._groups[key] = (images, *group_bytes(images))
             if len(self._groups) > self.keep:
                 self._groups.popitem(last=False)
         self._groups.move_to_end(key)

@@ -129,9 +129,9 @@ def spans_of(fd: int) -> tuple[int, np.ndarray]:
     return fd, np.frombuffer(os.pread(fd, 16 * rows, 8), dtype="<i8").reshape(rows, 2)
 
 
-def write_group(images: Any, target: Path) -> int:
-    """The `bytes` of each row of the StructArray `images`, with their spans, atomically at `target`; the
-    file open for reading (opened before it is in place, so whatever unlinks it since)."""
+def group_bytes(images: Any) -> tuple[memoryview | None, np.ndarray]:
+    """The image bytes of the StructArray `images` as Arrow holds them, no copy: one buffer and each row's
+    (start, end) span in it (int64; start -1 for a row with no bytes)."""
     import pyarrow as pa
 
     names = [images.type.field(i).name for i in range(images.type.num_fields)]
@@ -139,20 +139,28 @@ def write_group(images: Any, target: Path) -> int:
               else pa.array([None] * len(images), pa.binary()))
     wide = np.int64 if pa.types.is_large_binary(column.type) else np.int32
     offsets = np.frombuffer(column.buffers()[1], dtype=wide)[column.offset:column.offset + len(column) + 1]
-    header = 8 + 16 * len(column)
-    spans = np.stack([offsets[:-1], offsets[1:]], 1).astype("<i8") - offsets[0] + header
+    spans = np.stack([offsets[:-1], offsets[1:]], 1).astype("<i8") - offsets[0]
     if column.null_count:  # from the validity bitmap: a process's first Arrow is_null() costs ~0.4 s
         valid = np.unpackbits(np.frombuffer(column.buffers()[0], np.uint8), bitorder="little")
         spans[valid[column.offset:column.offset + len(column)] == 0, 0] = -1
     data = column.buffers()[2]
+    return (None if data is None else memoryview(data)[offsets[0]:offsets[-1]]), spans
+
+
+def write_group(images: Any, target: Path) -> int:
+    """The `bytes` of each row of the StructArray `images`, with their spans, atomically at `target`; the
+    file open for reading (opened before it is in place, so whatever unlinks it since)."""
+    data, spans = group_bytes(images)
+    header = 8 + 16 * len(spans)
+    spans = np.where(spans[:, :1] >= 0, spans + header, spans)
     partial = target.with_name(f".{target.name}.{os.getpid()}.part")
     fd = -1
     try:
         with open(partial, "wb") as out:
-            out.write(len(column).to_bytes(8, "little"))
-            out.write(spans.tobytes())
+            out.write(len(spans).to_bytes(8, "little"))
+            out.write(spans.astype("<i8").tobytes())
             if data is not None:
-                out.write(memoryview(data)[offsets[0]:offsets[-1]])
+                out.write(data)
         fd = os.open(partial, os.O_RDONLY)
         os.replace(partial, target)
     except BaseException:
