@@ -116,7 +116,7 @@ class ParquetReader:
         self._pid, self._lock = os.getpid(), threading.Lock()
         self._node = self.shared if self.shared is not None and readers_on_node() > 1 else None
         self._open: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # file -> (ParquetFile, image column)
-        self._groups: OrderedDict[tuple[str, int], tuple[Any, Any, Any]] = OrderedDict()  # `_group`'s
+        self._groups: OrderedDict[tuple[str, int], tuple] = OrderedDict()  # `_group`'s
         self._versions: dict[str, str] = {}  # file -> `_version`
         self._ahead: ThreadPoolExecutor | None = None  # `read_ahead`'s thread, its open files, its reads
         self._open_ahead: OrderedDict[str, tuple[Any, str]] = OrderedDict()
@@ -167,7 +167,7 @@ class ParquetReader:
                     return data
             images, data, spans = self._group(file, group)
             start, end = (int(v) for v in spans[row])
-            if start >= 0:
+            if start >= 0:  # (a buffer whenever a row has bytes, if only b"")
                 return bytes(data[start:end])
             image = images[row]
         name = image["path"].as_py() if "path" in image.type.names else None  # no bytes: its path
