@@ -204,11 +204,15 @@ def trained_demo(demo_registry: Path, tmp_path_factory, worker_id: str) -> Path:
         return run_dir
 
 
+# `trained_demo`'s settings: a test training the same run another way compares with it
+TRAINED_DEMO_SETS = [a for s in ("train.epochs=3", "train.ema_decay=0.9", "data.image_size=8",
+                                 "data.val_resize=8", "data.workers=0", "train.precision=fp32")
+                     for a in ("--set", s)]
+
+
 def train_the_demo(demo_registry: Path, run_dir: Path) -> Path:
-    sets = ["train.epochs=3", "train.ema_decay=0.9", "data.image_size=8", "data.val_resize=8",
-            "data.workers=0", "train.precision=fp32"]
     result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                     str(run_dir), "--quiet", "--json", *[a for s in sets for a in ("--set", s)])
+                     str(run_dir), "--quiet", "--json", *TRAINED_DEMO_SETS)
     last_json(result)
     return run_dir
 
