@@ -92,3 +92,9 @@ def train_replica(rank: int, world_size: int, sections: dict, steps: int, folder
     if world_size > 1:
         assert_identical_across_ranks(trainer.model.module, "after training")
     return {"start": start, "end": weights(trainer)}
+
+
+def train_replicas(rank: int, world_size: int, runs: list[tuple]) -> list[dict]:
+    """`train_replica(rank, world_size, *run)` for each run in turn, in this one process: several
+    tests' runs share one spawn (each spawned process costs a torch import)."""
+    return [train_replica(rank, world_size, *run) for run in runs]

@@ -4,23 +4,41 @@ from __future__ import annotations
 
 import pytest
 import torch
-from replicas import make_config, train_replica
+from replicas import make_config, train_replicas
 
 from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.mixing import BatchMixing
 
 STEPS = 4
+MIXING = {"augment": {"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "mix_prob": 1.0, "switch_prob": 0.5},
+          "optim": {"name": "sgd", "momentum": 0.9}}
+# Adam divides by sqrt(v): for the few elements whose gradient is ~0, the last
+# bits of the all-reduce sum decide a sign, so a handful move by ~lr/100.
+OPTIMS = [({"name": "sgd", "momentum": 0.9, "nesterov": True}, 1e-5), ({"name": "adamw"}, 1e-3)]
+# Each case: 2 replicas (batch b, accumulating `accum` micro-batches) and one process on the combined
+# batch (2*b*accum); `batchnorm=False`: GroupNorm in its place.
+CASES = {
+    "sgd": (4, 1, {"optim": OPTIMS[0][0]}, True),
+    "adamw": (4, 1, {"optim": OPTIMS[1][0]}, True),
+    "accum": (2, 3, {"optim": {"name": "sgd", "momentum": 0.9}}, True),
+    "mixing": (4, 1, MIXING, False),
+}
 
 
-def replicas(tmp_path, world_size: int, batch: int, accum: int, optim: dict) -> list[dict]:
-    """Every rank's {"start": weights before training, "end": after STEPS steps}."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    sections = {"data": {"batch_size": batch}, "optim": optim, "train": {"grad_accum": accum}}
-    return run_workers(train_replica, world_size, sections, STEPS, str(tmp_path))
-
-
-def single_process(tmp_path, batch: int, accum: int, optim: dict) -> dict:
-    return replicas(tmp_path, 1, batch, accum, optim)[0]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[list[dict], dict]]:
+    """Every case's (ranks, single process): all cases' replicas in one spawn of 2 gloo processes and all
+    references in one spawn of 1, each case in a folder of its own (a spawn costs a torch import)."""
+    folder = tmp_path_factory.mktemp("replicas")
+    replicas, single = [], []
+    for name, (batch, accum, sections, batchnorm) in CASES.items():
+        replicas.append(({**sections, "data": {"batch_size": batch}, "train": {"grad_accum": accum}},
+                         STEPS, str(folder / name), batchnorm))
+        single.append(({**sections, "data": {"batch_size": 2 * batch * accum}}, STEPS,
+                       str(folder / name / "single"), batchnorm))
+    ranks = zip(*run_workers(train_replicas, 2, replicas), strict=True)
+    references = run_workers(train_replicas, 1, single)[0]
+    return dict(zip(CASES, zip(ranks, references, strict=True), strict=True))
 
 
 def assert_same_weights(a: dict, b: dict, atol: float = 1e-5) -> None:
@@ -54,35 +72,24 @@ def assert_equivalent(ranks: list[dict], reference: dict, atol: float = 1e-5) ->
         assert_same_weights(run["end"], reference["end"], atol)
 
 
-# Adam divides by sqrt(v): for the few elements whose gradient is ~0, the last
-# bits of the all-reduce sum decide a sign, so a handful move by ~lr/100.
-OPTIMS = [({"name": "sgd", "momentum": 0.9, "nesterov": True}, 1e-5), ({"name": "adamw"}, 1e-3)]
+@pytest.mark.parametrize(("optim", "atol"), [("sgd", OPTIMS[0][1]), ("adamw", OPTIMS[1][1])],
+                         ids=["sgd", "adamw"])
+def test_two_replicas_equal_one_process_on_the_combined_batch(runs, optim, atol):
+    ranks, single = runs[optim]
+    assert_equivalent(list(ranks), single, atol)
 
 
-@pytest.mark.parametrize(("optim", "atol"), OPTIMS, ids=["sgd", "adamw"])
-def test_two_replicas_equal_one_process_on_the_combined_batch(tmp_path, optim, atol):
-    ranks = replicas(tmp_path, 2, 4, 1, optim)
-    assert_equivalent(ranks, single_process(tmp_path / "single", 8, 1, optim), atol)
+def test_gradient_accumulation_equals_the_larger_batch(runs):
+    ranks, single = runs["accum"]
+    assert_equivalent(list(ranks), single)
 
 
-def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
-    optim = {"name": "sgd", "momentum": 0.9}
-    accumulated = replicas(tmp_path, 2, 2, 3, optim)
-    assert_equivalent(accumulated, single_process(tmp_path / "single", 12, 1, optim))
-
-
-MIXING = {"augment": {"mixup_alpha": 0.8, "cutmix_alpha": 1.0, "mix_prob": 1.0, "switch_prob": 0.5},
-          "optim": {"name": "sgd", "momentum": 0.9}}
-
-
-def test_two_replicas_mix_as_one_process_on_the_combined_batch(tmp_path):
+def test_two_replicas_mix_as_one_process_on_the_combined_batch(runs):
     """MixUp and CutMix pair adjacent images with one (seed, step) draw: dealt in blocks, every pair lies
     on one rank, and one process with the combined batch makes the same pairs with the same lambdas.
     GroupNorm in place of BatchNorm: nothing else may couple the images of a batch."""
     mixing = BatchMixing(make_config(MIXING).augment, seed=0)
     kinds = {mixing.draw(step, torch.zeros(1, 3, 16, 16)).box is None for step in range(STEPS)}
     assert kinds == {True, False}, "the steps must include MixUp and CutMix"
-    ranks = run_workers(train_replica, 2, {**MIXING, "data": {"batch_size": 4}}, STEPS, str(tmp_path), False)
-    single = run_workers(train_replica, 1, {**MIXING, "data": {"batch_size": 8}}, STEPS,
-                         str(tmp_path / "single"), False)[0]
-    assert_equivalent(ranks, single)
+    ranks, single = runs["mixing"]
+    assert_equivalent(list(ranks), single)
