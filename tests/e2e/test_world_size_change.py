@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from replicas import make_config, make_trainer, step_replica
 
 from ddp_cli.errors import ConfigError
@@ -49,20 +50,46 @@ def resume(rank: int, world_size: int, path: str, folder: str, policy: str) -> d
         trainer.resume(path)
     except ConfigError as e:
         return {"error": str(e), "exit_code": e.exit_code}
+    finally:
+        logging.getLogger("ddp").removeHandler(handler)
     return {"lr": trainer.optimizer.param_groups[0]["lr"], "initial_lr": trainer.lr,
             "position": trainer.scheduler.last_epoch, "state": trainer.state.state_dict(),
             "said": said}
 
 
+def train_then_resume(rank: int, world_size: int, folder: str) -> tuple[str, dict]:
+    """The checkpoint, then a fresh trainer at the same world size resuming it (policy "refuse"): one
+    spawn for both (each spawned process costs a torch import). Rank 0 writes it, then tells its path."""
+    path = [train_and_checkpoint(rank, world_size, folder)]
+    dist.broadcast_object_list(path, src=0)
+    return path[0], resume(rank, world_size, path[0], folder, "refuse")
+
+
+def resumes(rank: int, world_size: int, runs: list[tuple[str, str, str]]) -> list[dict]:
+    """`resume` for each (path, folder, policy) in turn, in this one process."""
+    return [resume(rank, world_size, *run) for run in runs]
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> tuple[str, str]:
+def checkpoint(tmp_path_factory) -> tuple[str, str, dict]:
+    """(checkpoint, folder, its resume at world size 2)."""
     folder = str(tmp_path_factory.mktemp("resize"))
-    return run_workers(train_and_checkpoint, 2, folder)[0], folder
+    path, same = run_workers(train_then_resume, 2, folder)[0]
+    return path, folder, same
 
 
-def test_one_rank_resumes_two_with_the_new_global_batch(checkpoint):
-    path, folder = checkpoint
-    out = run_workers(resume, 1, path, folder, "rescale")[0]
+@pytest.fixture(scope="module")
+def one_rank(checkpoint) -> dict[str, dict]:
+    """The checkpoint resumed by one rank: rescaled, refused, and as written at format 0 (rescaled), all
+    in one spawned process."""
+    path, folder, _ = checkpoint
+    runs = {"rescale": (path, folder, "rescale"), "refuse": (path, folder, "refuse"),
+            "v0": (as_written_at(0, path, folder), folder, "rescale")}
+    return dict(zip(runs, run_workers(resumes, 1, list(runs.values()))[0], strict=True))
+
+
+def test_one_rank_resumes_two_with_the_new_global_batch(one_rank):
+    out = one_rank["rescale"]
     cfg = make_config(SECTIONS)
     assert out["state"]["samples_in_epoch"] == DONE * 8  # 3 steps of 2 ranks x 4 images
     assert out["state"]["step_in_epoch"] == 6  # the same 24 images are 6 steps of 4
@@ -78,17 +105,16 @@ def test_one_rank_resumes_two_with_the_new_global_batch(checkpoint):
     assert "world size 1 (global batch 4)" in message and "peak LR 0.0625 -> 0.03125" in message
 
 
-def test_refusing_a_world_size_change_is_a_config_error(checkpoint):
-    path, folder = checkpoint
-    out = run_workers(resume, 1, path, folder, "refuse")[0]
+def test_refusing_a_world_size_change_is_a_config_error(checkpoint, one_rank):
+    path, _, _ = checkpoint
+    out = one_rank["refuse"]
     assert out["exit_code"] == 2
     assert Path(path).name in out["error"] and "written at world size 2" in out["error"]
     assert 'on_world_size_change = "refuse"' in out["error"] and "run 2 workers" in out["error"]
 
 
 def test_the_same_world_size_resumes_unchanged(checkpoint):
-    path, folder = checkpoint
-    out = run_workers(resume, 2, path, folder, "refuse")[0]  # no change: refusing changes nothing
+    out = checkpoint[2]  # resumed at world size 2 with "refuse": no change, refusing changes nothing
     assert "error" not in out
     assert out["state"]["step_in_epoch"] == DONE and out["position"] == DONE
     cfg = make_config(SECTIONS)
@@ -111,10 +137,9 @@ def as_written_at(version: int, path: str, folder: str) -> str:
     return str(old)
 
 
-@pytest.mark.parametrize("version", [0])  # 0 migrates through every step (each: test_checkpoint_format)
-def test_checkpoints_of_earlier_formats_resume_at_another_world_size(checkpoint, version):
-    path, folder = checkpoint
-    out = run_workers(resume, 1, as_written_at(version, path, folder), folder, "rescale")[0]
+def test_checkpoints_of_earlier_formats_resume_at_another_world_size(one_rank):
+    """Format 0 (in `one_rank`) migrates through every step (each: test_checkpoint_format)."""
+    out = one_rank["v0"]
     assert out["state"]["samples_in_epoch"] == DONE * 8 and out["state"]["step_in_epoch"] == 6
     assert out["position"] == 6 and out["state"]["world_sizes"] == [2, 1]
     assert out["initial_lr"] == pytest.approx(2.0 * 4 / 256)
