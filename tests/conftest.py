@@ -188,7 +188,8 @@ class LiveRun:
 @pytest.fixture(scope="session")
 def trained_demo(demo_registry: Path, tmp_path_factory, worker_id: str) -> Path:
     """A demo run trained once per session (3 epochs at the digits' native 8 px, EMA on, 2 ranks,
-    ~15 s): its run directory. What `validate`, `predict`, `export` and `report` are tested on;
+    ~15 s): its run directory. What `validate`, `predict`, `export` and `report` are tested on, and what
+    training from packed shards is compared with;
     accurate enough (top-1 ~0.93, EMA ~0.88) that agreements between them are not agreements on noise.
     Under xdist (`make test`'s end-to-end line) the first worker to need it trains it for all: their
     session folders share a parent, where a lock makes the others wait for it.
