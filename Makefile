@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # the site: strict (a broken link, page or anchor fails), offline; without Material's notice
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-.PHONY: setup train test test-cuda gpu-check lint docs clean constraints mutate fuzz
+.PHONY: setup train test test-cpu-kinds test-cuda gpu-check lint docs clean constraints mutate fuzz
 
 setup: $(STAMP)
 
@@ -40,6 +40,13 @@ test: setup
 	$(MKDOCS) --quiet
 	$(BIN)/python -m pytest -q -n auto tests/unit tests/gpu_rules tests/fuzz
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests/e2e tests/cuda
+
+# The end-to-end suite as other CPUs run it, from this one (tools/cpu_kinds.py; docs/development.md, "Other
+# CPUs"): `auto` precision and torch's kernels as on an AVX2-only CPU, every process on one core; then bf16 as
+# where it is native, on all cores. Run it after changing an e2e test that times or compares accuracy.
+KINDS ?= avx2-slow bf16-fast
+test-cpu-kinds: setup
+	$(BIN)/python tools/cpu_kinds.py $(KINDS)
 
 # The GPU paths (NCCL, bf16/fp16 autocast + GradScaler, pinned loaders); skipped without CUDA.
 test-cuda: setup

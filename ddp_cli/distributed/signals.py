@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ddp_cli.distributed.faults import FaultPlan
 from ddp_cli.errors import SIGINT, SIGTERM
 
 CODES = {signal.SIGTERM: SIGTERM, signal.SIGINT: SIGINT}
@@ -30,11 +31,17 @@ class StopRequest:
         self.signal = 0
         for sig in CODES:
             signal.signal(sig, self._handle)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.faults = FaultPlan.from_env(rank, lambda: bool(self.signal))
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.signal:  # asked twice: stop now
             sys.exit(CODES[signal.Signals(signum)])
         self.signal = signum
+
+    def after_step(self, step: int) -> None:
+        """Called by every rank after every step: fires a fault `DDP_FAULTS` names for it (tests, chaos)."""
+        self.faults.after_step(step)
 
     def agreed(self) -> int:
         """The signal some rank received (0 if none); the same answer on every rank."""

@@ -392,6 +392,8 @@ class Checkpointer:
         at most `stop_every` steps after the signal. A background write that failed ends the run here,
         at the first step after it failed."""
         self.raise_if_failed()
+        if self.stop:
+            self.stop.after_step(self.progress.step)
         scheduled = epoch_end or bool(self.every and self.progress.step % self.every == 0)
         ask = self.stop and (scheduled or self.progress.step % self.stop_every == 0)
         self.stopping = self.stop.agreed() if ask else 0

@@ -2,11 +2,14 @@
 
 bf16 is only fast where the hardware computes it (CUDA from Ampere, CPUs with
 AVX-512 BF16 or AMX: ~2x fp32 there, BENCHMARKS.md); elsewhere it is emulated
-and slower than fp32. So "auto" picks bf16 only where it is native.
+and slower than fp32. So "auto" picks bf16 only where it is native. `DDP_CPU_BF16=native|emulated`
+overrides what the CPU's flags say: to see, on any machine, what `auto` does on the other kind
+(docs/development.md, "Other CPUs").
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -18,6 +21,7 @@ from ddp_cli.errors import ConfigError
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+CPU_BF16_OVERRIDE = "DDP_CPU_BF16"  # "native" | "emulated": what auto takes the CPU for
 # torch's warning when a schedule steps past an optimizer step the GradScaler skipped (see grad_scaler)
 SKIPPED_STEP_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
@@ -31,6 +35,12 @@ def native_bf16(device: torch.device) -> bool:
         if torch.cuda.is_initialized():
             return torch.cuda.is_bf16_supported(including_emulation=False)
         return cuda_bf16_native()
+    told = os.environ.get(CPU_BF16_OVERRIDE, "")
+    if told in ("native", "emulated"):
+        return told == "native"
+    if told:
+        raise ConfigError(f'{CPU_BF16_OVERRIDE}={told}: write "native" or "emulated", or unset it to read '
+                          "the CPU's flags")
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: do not guess

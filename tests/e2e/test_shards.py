@@ -50,16 +50,27 @@ def train(registry: Path, run_dir: Path, *extra: str) -> dict:
                              str(run_dir), "--quiet", "--json", *SMALL, *extra))
 
 
-def test_training_from_shards_at_a_smaller_side_matches_the_files_within_a_point(packed, trained_demo,
-                                                                                  tmp_path):
-    """The session's trained demo (from the files, 3 epochs, ~0.94) trained again from the shards, 2 ranks:
-    every val image counted once; top-1 within 1 point."""
-    files = json.loads((trained_demo / "result.json").read_text())
+def test_training_from_shards_at_a_smaller_side_matches_the_files(packed, trained_demo, tmp_path):
+    """The session's trained demo (from the files, 3 epochs, ~0.94) against the same images packed at 16 px.
+
+    Two comparisons, each with the margin its own spread needs, measured over seeds 0-5 on 2 cores
+    (benchmarks/shards_spread.py; BENCHMARKS.md, "Shards against files"):
+    - the files' model validated on the shards' val split: the same 359 images, re-sampled from 16 px not
+      32 px, so only near-ties move (0 to 2 images of 359 here): within 2 points;
+    - trained again from the shards (2 ranks, every val image counted once): a different run of the same
+      recipe, whose top-1 varies with the seed and the CPU's kernels (0.933-0.964 from the files, 0.942-0.969
+      from the shards; a single pair differed by up to 1.9 points, the spread of a difference 1.6): within
+      5 points, three times that spread. A broken packing (labels, pixels) costs far more.
+    """
+    files = json.loads((trained_demo / "result.json").read_text())["final"]
+    on_shards = last_json(run_ddp("validate", "--checkpoint", str(trained_demo / "checkpoints/last.pt"),
+                                  "--dataset", "shards", "--registry", str(packed), "--json"))
+    assert on_shards["images"] == 359 and abs(on_shards["top1"] - files["top1"]) <= 0.02, (on_shards, files)
     shards = last_json(run_ddp("train", "configs/demo.toml", "--registry", str(packed), "--run-dir",
                                str(tmp_path / "shards"), "--quiet", "--json", *TRAINED_DEMO_SETS,
                                "--set", "data.dataset=shards"))
     assert shards["world_size"] == 2 and shards["final"]["images"] == 359
-    assert abs(shards["final"]["top1"] - files["final"]["top1"]) <= 0.01, (shards["final"], files["final"])
+    assert abs(shards["final"]["top1"] - files["top1"]) <= 0.05, (shards["final"], files)
 
 
 def test_a_run_from_shards_resumed_mid_epoch_ends_bit_identical(packed, tmp_path):

@@ -25,6 +25,18 @@ def test_auto_is_bf16_only_where_the_cpu_has_it(monkeypatch, flags, expected):
     assert precision.resolve_precision("auto", CPU) == expected
 
 
+@pytest.mark.parametrize(("told", "expected"), [("native", "bf16"), ("emulated", "fp32")])
+def test_ddp_cpu_bf16_makes_auto_resolve_as_on_the_other_kind_of_cpu(monkeypatch, told, expected):
+    monkeypatch.setenv("DDP_CPU_BF16", told)
+    assert precision.resolve_precision("auto", CPU) == expected
+
+
+def test_a_misspelt_ddp_cpu_bf16_is_one_line_naming_it(monkeypatch):
+    monkeypatch.setenv("DDP_CPU_BF16", "yes")
+    with pytest.raises(ConfigError, match='DDP_CPU_BF16=yes: write "native" or "emulated"'):
+        precision.resolve_precision("auto", CPU)
+
+
 def test_explicit_settings_are_kept_and_fp16_needs_cuda():
     assert precision.resolve_precision("fp32", CPU) == "fp32"
     assert precision.resolve_precision("bf16", CPU) == "bf16"

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from replicas import CLASSES, make_config, step_replica
 
 from ddp_cli.data.pipeline.loaders import Loaders
+from ddp_cli.distributed import faults
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.distributed.signals import CODES, StopRequest
 from ddp_cli.errors import DdpError
@@ -29,6 +30,9 @@ class CountingStop:
     def agreed(self) -> int:
         self.asked_at.append(self.steps[0])
         return self.signal
+
+    def after_step(self, step: int) -> None:
+        pass
 
 
 def asked(stop_every: int, every_steps: int = 0, epoch_ends: tuple[int, ...] = ()) -> list[int]:
@@ -97,3 +101,26 @@ def test_a_signal_stops_the_run_at_the_next_agreement(one_process_group):
     with pytest.raises(DdpError, match="stopped by SIGTERM after step 4") as stopped:
         run_steps(trainer, range(1, 9), signal_after=1)
     assert stopped.value.exit_code == 143 and trainer.state.step == 4
+
+
+@pytest.mark.parametrize(("stop_check_steps", "stops_after"), [(1, 3), (4, 4)])
+def test_a_sigterm_fault_stops_the_run_at_the_step_it_names(one_process_group, monkeypatch, stop_check_steps,
+                                                            stops_after):
+    """`DDP_FAULTS=sigterm@3`: the real signal, raised right after step 3, caught by the real handler."""
+    monkeypatch.setenv("DDP_FAULTS", "sigterm@3")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # no launcher: the rank signals itself
+    trainer = trainer_with_stop(stop_check_steps)
+    with pytest.raises(DdpError, match=f"stopped by SIGTERM after step {stops_after},"):
+        run_steps(trainer, range(1, 9))
+
+
+def test_under_a_launcher_the_fault_goes_to_it_and_the_rank_waits_for_it_to_come_back(one_process_group,
+                                                                                       monkeypatch):
+    sent = []
+    monkeypatch.setenv("DDP_FAULTS", "sigint@2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
+    monkeypatch.setattr(faults.os, "getppid", lambda: sent.append("launcher") or faults.os.getpid())
+    trainer = trainer_with_stop(1)
+    with pytest.raises(DdpError, match="stopped by SIGINT after step 2,") as stopped:
+        run_steps(trainer, range(1, 9))
+    assert sent == ["launcher"] and stopped.value.exit_code == 130
