@@ -6,6 +6,7 @@ fires the fault right after the optimiser step named, so it lands at the same st
 
     DDP_FAULTS="sigterm@6"          after global step 6, rank 0 sends SIGTERM to its launcher
     DDP_FAULTS="sigkill@10:1"       after global step 10, rank 1 kills itself (SIGKILL)
+    DDP_FAULTS="sigstop@6:1"        after global step 6, rank 1 and its launcher freeze (SIGSTOP): a hung node
     DDP_FAULTS="sigterm@6,sigkill@3:1"   several, comma-separated
 
 SIGTERM and SIGINT go to the launcher (the rank's parent, as a scheduler's signal would) and the rank
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from ddp_cli.errors import ConfigError
 
 VARIABLE = "DDP_FAULTS"
-KINDS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}
+KINDS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL,
+         "sigstop": signal.SIGSTOP}
 FORWARD_WAIT_S = 30.0  # how long a rank waits for its launcher to pass a signal back
 
 
@@ -66,8 +68,13 @@ class FaultPlan:
         if fault is None:
             return
         sig = KINDS[fault.kind]
-        launched = "TORCHELASTIC_RUN_ID" in os.environ  # else no launcher: the rank signals itself
-        os.kill(os.getppid() if launched and sig != signal.SIGKILL else os.getpid(), sig)
-        deadline = time.monotonic() + FORWARD_WAIT_S
-        while not self.signalled() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # else: signal itself
+        if sig in (signal.SIGTERM, signal.SIGINT):  # a scheduler's: the launcher passes it to every rank
+            os.kill(launcher or os.getpid(), sig)
+            deadline = time.monotonic() + FORWARD_WAIT_S
+            while not self.signalled() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return
+        if sig == signal.SIGSTOP and launcher:  # the whole node hangs, not the rank alone
+            os.kill(launcher, sig)
+        os.kill(os.getpid(), sig)

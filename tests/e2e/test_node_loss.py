@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,13 @@ DEMO = ["--set", "data.image_size=8", "--set", "data.val_resize=8", "--set", "da
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as 2 workers on this 2-core machine: equal threads, equal sums
 
 
-def node(rank: int, run_dir: Path, endpoint: str, nnodes: str, *extra: str) -> LiveRun:
+def node(rank: int, run_dir: Path, endpoint: str, nnodes: str, *extra: str, faults: str = "") -> LiveRun:
+    """One launcher; `faults` (DDP_FAULTS) strike its rank at the step they name, whatever the machine's
+    speed (a test polling for the step could see it only once the short run is over)."""
     return LiveRun("train", "configs/demo.toml", "--registry", os.environ["DDP_TEST_REGISTRY"],
                    "--run-dir", str(run_dir), "--nnodes", nnodes, "--node-rank", str(rank),
                    "--rdzv-endpoint", endpoint, "--rdzv-id", "loss", "--nproc-per-node", "1",
-                   *DEMO, *extra, env=ONE_THREAD)
+                   *DEMO, *extra, env={**ONE_THREAD, "DDP_FAULTS": faults})
 
 
 @pytest.fixture(autouse=True)
@@ -64,11 +67,26 @@ def _lines(path: Path) -> list[str]:
         return []
 
 
-def alive(pid: int) -> bool:
+def state(pid: int) -> str:
+    """The process's state letter (R, S, T stopped, Z zombie), "" once it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
+        return ""
+
+
+def alive(pid: int) -> bool:
+    return state(pid) not in ("", "Z")
+
+
+def until(condition: Callable[[], bool], timeout: float = 120) -> float:
+    """Polls `condition` until it holds; when it did (time.monotonic)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout} s in vain")
+        time.sleep(0.02)
+    return time.monotonic()
 
 
 def freeze(run: LiveRun, sig: signal.Signals) -> None:
@@ -107,13 +125,13 @@ def test_a_lost_rank_stops_a_fixed_job_with_code_5_and_its_command_resumes_it_ex
     """Node 1's worker killed with SIGKILL: both launchers exit 5 in time, leaving no process."""
     run_dir, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
     short = ["--set", "train.epochs=1", "--set", "deterministic=true"]  # 22 steps
-    nodes = [node(0, run_dir, endpoint, "2", *short), node(1, run_dir, endpoint, "2", *short, "--json")]
+    nodes = [node(0, run_dir, endpoint, "2", *short),
+             node(1, run_dir, endpoint, "2", *short, "--json", faults="sigkill@12:1")]  # 5, 10 saved
     try:
-        wait_for_step(run_dir, 12)  # checkpoints at steps 5 and 10
+        wait_for_step(run_dir, 1)
         workers = [pid for run in nodes for pid in run.workers()]
         assert len(workers) == 2
-        os.kill(workers[1], signal.SIGKILL)
-        lost = time.monotonic()
+        lost = until(lambda: not alive(workers[1]))
         assert [run.wait(timeout=TIMEOUT_S + 60) for run in nodes] == [5, 5], nodes[0].stderr
         assert time.monotonic() - lost <= TIMEOUT_S + 15
         assert not [pid for pid in workers if alive(pid)]
@@ -145,11 +163,10 @@ def test_a_lost_rank_stops_a_fixed_job_with_code_5_and_its_command_resumes_it_ex
 
 def test_a_hung_node_stops_a_fixed_job_with_code_5_within_the_timeout(tmp_path):
     run_dir, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
-    nodes = [node(rank, run_dir, endpoint, "2", "--set", "train.epochs=2") for rank in (0, 1)]
+    nodes = [node(rank, run_dir, endpoint, "2", "--set", "train.epochs=2", faults="sigstop@6:1")
+             for rank in (0, 1)]
     try:
-        wait_for_step(run_dir, 6)
-        freeze(nodes[1], signal.SIGSTOP)
-        frozen = time.monotonic()
+        frozen = until(lambda: state(nodes[1].proc.pid) == "T")  # node 1 froze after step 6
         assert nodes[0].wait(timeout=TIMEOUT_S + 60) == 5, nodes[0].stderr
         assert time.monotonic() - frozen <= TIMEOUT_S + 15
     finally:

@@ -17,7 +17,7 @@ def test_faults_are_read_as_kind_at_step_on_rank():
     assert parse_faults("") == []
 
 
-@pytest.mark.parametrize("text", ["sigterm", "sigterm@", "sigterm@x", "sigstop@3", "sigkill@3:r",
+@pytest.mark.parametrize("text", ["sigterm", "sigterm@", "sigterm@x", "sighup@3", "sigkill@3:r",
                                   "sigterm@-1"])
 def test_an_unreadable_fault_is_one_line_naming_the_variable_and_the_form(text):
     with pytest.raises(ConfigError, match=r"DDP_FAULTS: cannot read .*; write kind@step\[:rank\]"):
@@ -47,3 +47,13 @@ def test_a_restarted_worker_passing_the_step_again_carries_on(monkeypatch):
     again, kills = plan("sigkill@3", 0, monkeypatch, restarts=1)
     again.after_step(3)
     assert kills == []
+
+
+def test_a_sigstop_freezes_the_launcher_then_the_rank(monkeypatch):
+    """A hung node: its launcher stops too, so it cannot notice and report the rank; the rank last."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
+    stop, kills = plan("sigstop@4", 0, monkeypatch)
+    sent = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    stop.after_step(4)
+    assert sent == [(faults.os.getppid(), signal.SIGSTOP), (faults.os.getpid(), signal.SIGSTOP)]
