@@ -41,6 +41,11 @@ def native_bf16(device: torch.device) -> bool:
     if told:
         raise ConfigError(f'{CPU_BF16_OVERRIDE}={told}: write "native" or "emulated", or unset it to read '
                           "the CPU's flags")
+    return cpu_has_bf16()
+
+
+def cpu_has_bf16() -> bool:
+    """What the CPU's flags say, whatever `DDP_CPU_BF16` makes of them: what a bf16 step costs here."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: do not guess
