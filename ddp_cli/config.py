@@ -27,9 +27,16 @@ from pydantic import (
 )
 
 from ddp_cli.errors import ConfigError, did_you_mean
-from ddp_cli.timm_model import PRETRAINED, cached_weights, data_config, data_settings, is_timm_model, with_tag
-from ddp_cli.timm_model import parse as parse_timm
-from ddp_cli.user_model import is_user_model, locate, parse
+from ddp_cli.models.timm_model import (
+    PRETRAINED,
+    cached_weights,
+    data_config,
+    data_settings,
+    is_timm_model,
+    with_tag,
+)
+from ddp_cli.models.timm_model import parse as parse_timm
+from ddp_cli.models.user_model import is_user_model, locate, parse
 from ddp_cli.userfiles import parse_toml, read_text
 
 

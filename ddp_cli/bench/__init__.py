@@ -2,7 +2,7 @@
 
 What is which:
 
-- The product is `ddp` minus `bench`: its commands (ddp_cli/cli.py -> commands.py) and
+- The product is `ddp` minus `bench`: its commands (ddp_cli/cli/ddp.py -> commands.py) and
   everything under them (preflight, run, train, data, ...). None of it imports ddp_cli.bench
   (tests/unit/test_layers.py: bench sits beside commands; only the CLI, which mounts its door,
   imports it).

@@ -30,7 +30,7 @@ from torchvision import transforms as T
 
 from ddp_cli.config import ModelConfig
 from ddp_cli.data.pipeline.transforms import MEAN, STD
-from ddp_cli.models import build_model
+from ddp_cli.models.zoo import build_model
 
 IMAGES = Path("ILSVRC/Data/CLS-LOC")
 

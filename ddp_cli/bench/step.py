@@ -57,7 +57,7 @@ from ddp_cli.config import ModelConfig, RunConfig, apply_override
 from ddp_cli.data.pipeline.loaders import Loaders, collate
 from ddp_cli.data.pipeline.transforms import MEAN, STD
 from ddp_cli.distributed.setup import DistContext
-from ddp_cli.models import build_model, count_parameters
+from ddp_cli.models.zoo import build_model, count_parameters
 from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.mixing import loss_function

@@ -20,7 +20,7 @@ from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
 from ddp_cli.errors import WriteError
-from ddp_cli.models import build_model, freeze, load_weights
+from ddp_cli.models.zoo import build_model, freeze, load_weights
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.observe.startup import StartupClock

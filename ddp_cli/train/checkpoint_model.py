@@ -18,9 +18,9 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig, config_from_dict
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.models import build_model
+from ddp_cli.models.user_model import changed
+from ddp_cli.models.zoo import build_model
 from ddp_cli.train.checkpoint import load_checkpoint
-from ddp_cli.user_model import changed
 
 log = logging.getLogger("ddp")
 

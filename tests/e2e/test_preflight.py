@@ -1,5 +1,5 @@
 """One preflight: whatever `ddp train --dry-run` refuses, `ddp train` refuses with the same line and
-exit code, before any worker starts (ddp_cli/preflight.py).
+exit code, before any worker starts (ddp_cli/cli/preflight.py).
 
 The table runs the CLI in this process, through the real entry point (`ddp_cli.cli:main`), with
 `launch` and `prepare_job` replaced by a tripwire; one case also runs as real subprocesses, to
@@ -18,8 +18,7 @@ import torch
 from conftest import REPO, run_ddp
 from synthetic import write_registry
 
-from ddp_cli import commands
-from ddp_cli.cli import main
+from ddp_cli.cli import commands, main
 from ddp_cli.run import launch
 
 DEMO = str(REPO / "configs/demo.toml")

@@ -21,11 +21,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from mutants import ABSURD
 
-from ddp_cli.commands import writable
+from ddp_cli.cli.commands import writable
+from ddp_cli.cli.plan import image_sizes
 from ddp_cli.config import RunConfig, load_config
 from ddp_cli.data.pack.wds_index import index_shards
 from ddp_cli.data.pipeline.check import check_dataset
-from ddp_cli.plan import image_sizes
 from ddp_cli.train.checkpoint import save_checkpoint
 from ddp_cli.train.checkpoint_model import load_trained
 

@@ -13,15 +13,15 @@ from PIL import Image
 from synthetic import image
 from torch.utils.data import DataLoader
 
+from ddp_cli.cli.plan import augmentation as plan_augmentation
+from ddp_cli.cli.plan import val_preprocessing
+from ddp_cli.cli.render import print_mapping
 from ddp_cli.config import AugmentConfig, DataConfig, RunConfig
 from ddp_cli.data.pipeline.augment import MEAN_PIXEL, augmentation, op_names, train_transform
 from ddp_cli.data.pipeline.images import open_image
 from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset, eval_loader
 from ddp_cli.data.pipeline.transforms import MEAN, STD, ValTransform, crop_resize
 from ddp_cli.data.sources.packed import Split
-from ddp_cli.plan import augmentation as plan_augmentation
-from ddp_cli.plan import val_preprocessing
-from ddp_cli.render import print_mapping
 
 SEEDS = range(60)
 

@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
-from ddp_cli.clikit import TORCHRUN_SPELLINGS, dashed
+from ddp_cli.cli.clikit import TORCHRUN_SPELLINGS, dashed
 
 ROOT = typer.main.get_command(app)
 TYPER_METAVARS = re.compile(r"<(?:list\[|int|float|bool|str|path|text)[^>]*>|\{[a-z_]+\}")
@@ -67,7 +67,7 @@ def test_library_info_lines_stay_off_stderr_unless_verbose(capsys):
     line to print (the root logger is at INFO for ddp's own)."""
     import logging
 
-    from ddp_cli.clikit import configure_logging
+    from ddp_cli.cli.clikit import configure_logging
     credentials = logging.getLogger("botocore.credentials")
     try:
         logging.getLogger().setLevel(logging.INFO)  # as `ddp`'s basicConfig leaves it for its own lines

@@ -12,8 +12,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from ddp_cli import commands
-from ddp_cli.cli import app, main
+from ddp_cli.cli import app, commands, main
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
 

@@ -10,8 +10,7 @@ import pytest
 from conftest import REPO
 from typer.testing import CliRunner
 
-from ddp_cli import commands
-from ddp_cli.cli import app
+from ddp_cli.cli import app, commands
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
 DEMO = str(REPO / "configs/demo.toml")
@@ -95,7 +94,7 @@ def test_verbose_after_the_name_turns_on_debug_logging(monkeypatch, demo_registr
 
 
 def test_init_writes_the_starter_and_never_overwrites(tmp_path):
-    pytest.importorskip("ddp_cli.starter")
+    pytest.importorskip("ddp_cli.cli.starter")
     result = invoke("init", str(tmp_path / "start"), "--json")
     assert result.exit_code == 0, result.output
     written = json.loads(result.stdout.strip().splitlines()[-1])

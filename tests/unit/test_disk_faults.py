@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ddp_cli import io
+from ddp_cli.cli.exits import exits
 from ddp_cli.data.pack.destination import Destination
 from ddp_cli.data.pack.writer import ShardWriter
 from ddp_cli.errors import WRITE, WriteError
-from ddp_cli.exits import exits
 from ddp_cli.io import size_words, write_error, write_text
 from ddp_cli.observe import sinks
 from ddp_cli.observe.report import plot
@@ -302,8 +302,8 @@ def test_a_refused_write_no_wrapper_named_is_exit_6_not_a_bug(tmp_path, capsys):
                          ids=["sgd-momentum", "sgd", "adamw-ema"])
 def test_the_preflight_estimate_of_a_checkpoint_is_its_size_on_disk(tmp_path, sets):
     """What the disk-room warning multiplies: within 10% (and a few kB of pickle) of a real save."""
+    from ddp_cli.cli.preflight import checkpoint_bytes
     from ddp_cli.config import RunConfig
-    from ddp_cli.preflight import checkpoint_bytes
     from ddp_cli.train.ema import EmaModel
     from ddp_cli.train.optim import build_optimizer
 
@@ -322,7 +322,7 @@ def test_the_preflight_estimate_of_a_checkpoint_is_its_size_on_disk(tmp_path, se
 
 def test_preflight_warns_when_the_run_dirs_disk_has_less_room_than_the_checkpoints(tmp_path, monkeypatch,
                                                                                     caplog):
-    from ddp_cli import preflight
+    from ddp_cli.cli import preflight
     from ddp_cli.config import RunConfig
 
     run = SimpleNamespace(cfg=RunConfig().resolved({"checkpoint.keep_last": 3}),
@@ -352,7 +352,7 @@ def test_a_worker_whose_error_record_is_refused_too_still_says_it_and_keeps_its_
 
 @faults
 def test_ddp_init_into_a_refusing_folder_is_exit_6(tmp_path, monkeypatch, code):
-    from ddp_cli.starter import write_starter
+    from ddp_cli.cli.starter import write_starter
 
     monkeypatch.setattr(Path, "open", lambda self, mode: (_ for _ in ()).throw(refused(code, str(self))))
     with pytest.raises(WriteError) as failed:

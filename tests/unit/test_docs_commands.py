@@ -19,7 +19,7 @@ import yaml
 from conftest import REPO
 
 from ddp_cli.cli import app
-from ddp_cli.clikit import dashed
+from ddp_cli.cli.clikit import dashed
 
 DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]

@@ -14,9 +14,9 @@ import torchvision
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
+from ddp_cli.cli.preflight import with_weights_path
 from ddp_cli.config import ModelConfig, OptimConfig, RunConfig, ScheduleConfig, config_from_dict
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.export import builder
 from ddp_cli.models import (
     TinyResNet,
     build_model,
@@ -28,7 +28,7 @@ from ddp_cli.models import (
     load_weights,
     tensors_on_meta,
 )
-from ddp_cli.preflight import with_weights_path
+from ddp_cli.models.export import builder
 from ddp_cli.train.large_batch import Lamb, Lars
 from ddp_cli.train.optim import build_optimizer, param_groups
 from ddp_cli.train.schedules import build_scheduler, lr_factor

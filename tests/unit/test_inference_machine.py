@@ -13,12 +13,11 @@ import torch
 from conftest import CLI_ENV
 from typer.testing import CliRunner
 
-from ddp_cli import commands
-from ddp_cli.cli import app
+from ddp_cli.cli import app, commands
+from ddp_cli.cli.preflight import validation_workers
 from ddp_cli.config import RunConfig
 from ddp_cli.errors import ConfigError
 from ddp_cli.models import TinyResNet
-from ddp_cli.preflight import validation_workers
 from ddp_cli.run.launch import LaunchOptions
 from ddp_cli.train import precision
 from ddp_cli.train.checkpoint import save_checkpoint

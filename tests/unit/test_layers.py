@@ -20,9 +20,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ddp_cli"
 LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli", "ddp_cli.errors", "ddp_cli.fastexit"),
     ("ddp_cli.io", "ddp_cli.userfiles"),
-    ("ddp_cli.user_model", "ddp_cli.timm_model"),
-    ("ddp_cli.config", "ddp_cli.starter"),
-    ("ddp_cli.config_view",),
+    ("ddp_cli.models.user_model", "ddp_cli.models.timm_model"),
+    ("ddp_cli.config", "ddp_cli.cli.starter"),
+    ("ddp_cli.cli.config_view",),
     # data/'s rooms: bytes from storage, the listing of a data set, the input pipeline, writing shards
     ("ddp_cli.data", "ddp_cli.data.fetch"),
     ("ddp_cli.data.sources",),
@@ -31,18 +31,18 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.registry",),
     ("ddp_cli.index_build",),
     ("ddp_cli.train",),
-    ("ddp_cli.envinfo", "ddp_cli.export"),
+    ("ddp_cli.cli.envinfo", "ddp_cli.models.export"),
     ("ddp_cli.run",),
     # the doors' kit: drawing results, exit codes, declaring commands to Typer
-    ("ddp_cli.render",),
-    ("ddp_cli.exits",),
-    ("ddp_cli.clikit",),
+    ("ddp_cli.cli.render",),
+    ("ddp_cli.cli.exits",),
+    ("ddp_cli.cli.clikit",),
     # the product's commands, and beside them (neither imports the other) the benchmarks: a tool
-    ("ddp_cli.preflight", "ddp_cli.plan", "ddp_cli.commands", "ddp_cli.bench"),
+    ("ddp_cli.cli.preflight", "ddp_cli.cli.plan", "ddp_cli.cli.commands", "ddp_cli.bench"),
     ("ddp_cli.cli",),
     ("ddp_cli.__main__",),
 ]
-SHARED_GROUP = {"ddp_cli.preflight", "ddp_cli.plan", "ddp_cli.commands"}  # one layer, one job: commands
+SHARED_GROUP = {"ddp_cli.cli.preflight", "ddp_cli.cli.plan", "ddp_cli.cli.commands"}  # one layer, one job: commands
 
 
 def group_of(module: str) -> str:
@@ -110,10 +110,10 @@ def test_the_rule_refuses_upward_and_sibling_imports():
     assert violations("ddp_cli.data.pipeline.loaders", {"ddp_cli.distributed.setup"})  # siblings
     assert violations("ddp_cli.train.trainer", {"ddp_cli.run.worker"})
     assert not violations("ddp_cli.run.worker", {"ddp_cli.train.trainer", "ddp_cli.run.jobs"})
-    assert violations("ddp_cli.commands", {"ddp_cli.bench.step"})  # the product using the bench tool
-    assert violations("ddp_cli.preflight", {"ddp_cli.bench.faultproxy"})
-    assert violations("ddp_cli.bench.e2e", {"ddp_cli.commands"})  # nor the tool the product's door
-    assert not violations("ddp_cli.cli", {"ddp_cli.bench.cli", "ddp_cli.commands"})
+    assert violations("ddp_cli.cli.commands", {"ddp_cli.bench.step"})  # the product using the bench tool
+    assert violations("ddp_cli.cli.preflight", {"ddp_cli.bench.faultproxy"})
+    assert violations("ddp_cli.bench.e2e", {"ddp_cli.cli.commands"})  # nor the tool the product's door
+    assert not violations("ddp_cli.cli", {"ddp_cli.cli.bench", "ddp_cli.cli.commands"})
     with pytest.raises(AssertionError, match="no layer"):
         group_of("ddp_cli.newthing")
 

@@ -10,7 +10,7 @@ import signal
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from ddp_cli.clikit import configure_logging
+from ddp_cli.cli.clikit import configure_logging
 from ddp_cli.errors import INTERNAL, PEER_LOST
 from ddp_cli.run.launch import failure
 from ddp_cli.run.logenv import LOG_ENV

@@ -1,4 +1,4 @@
-"""Preflight's own rules (ddp_cli/preflight.py), called directly: the workers a torchrun started,
+"""Preflight's own rules (ddp_cli/cli/preflight.py), called directly: the workers a torchrun started,
 --resume, model.weights made absolute, SyncBatchNorm on CPU, the node's loaders, and `preflight`
 itself on a fake index and loader rule (what it computes and hands on). The whole preflight is met
 through the CLI in test_cli_errors, test_gpus and test_shared_memory."""
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddp_cli import preflight
+from ddp_cli.cli import preflight
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.data.pipeline.autotune import LoaderChoice
 from ddp_cli.distributed.setup import DistContext

@@ -1,4 +1,4 @@
-"""`ddp init DIR` (ddp_cli.starter): the shipped starter files (a wheel user's run:
+"""`ddp init DIR` (ddp_cli.cli.starter): the shipped starter files (a wheel user's run:
 tests/e2e/test_wheel.py)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from ddp_cli.cli.starter import template, write_starter
 from ddp_cli.config import load_config
 from ddp_cli.errors import USAGE, ConfigError
 from ddp_cli.registry import load_registry
-from ddp_cli.starter import template, write_starter
 
 
 def test_the_shipped_templates_are_the_checkouts_demo_config_and_registry():

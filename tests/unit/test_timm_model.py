@@ -1,4 +1,4 @@
-"""timm's models (`ddp_cli.timm_model`): the name, an unknown architecture or tag, the missing extra, the
+"""timm's models (`ddp_cli.models.timm_model`): the name, an unknown architecture or tag, the missing extra, the
 pretrained weights read from a test-made Hugging Face cache with the network cut (exit 3 naming the path
 and the command when they are missing), their data config applied or overridden, and the plan's line."""
 
@@ -15,12 +15,12 @@ from conftest import ddp_in_process
 from safetensors.torch import save_file
 from synthetic import write_timm_cache
 
+from ddp_cli.cli.plan import val_preprocessing, weights_data_config
 from ddp_cli.config import ModelConfig, load_config
 from ddp_cli.data.pipeline.transforms import normalising, to_model_input
 from ddp_cli.errors import DATA, USAGE, ConfigError, DataError
 from ddp_cli.models import build_model, check_model, classifier_head, initial_weights, load_weights, vit_depth
-from ddp_cli.plan import val_preprocessing, weights_data_config
-from ddp_cli.timm_model import TimmName, parse
+from ddp_cli.models.timm_model import TimmName, parse
 
 NAME = "timm/test_resnet.r160_in1k"
 REPO = "models--timm--test_resnet.r160_in1k"

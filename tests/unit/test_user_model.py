@@ -1,4 +1,4 @@
-"""A model of the user's own (`ddp_cli.user_model`): resolution from the config's folder, what each
+"""A model of the user's own (`ddp_cli.models.user_model`): resolution from the config's folder, what each
 failure says (exit 2, naming it and its first error line), model.kwargs and num_classes, the checks
 every rule of fine-tuning makes of it, and the warning when its file changed since the run."""
 
@@ -16,8 +16,8 @@ from synthetic import OWN_NET
 from ddp_cli.config import load_config
 from ddp_cli.errors import USAGE, ConfigError
 from ddp_cli.models import build_model, check_model, classifier_head
+from ddp_cli.models.user_model import changed, factory
 from ddp_cli.train.checkpoint_model import warn_if_changed
-from ddp_cli.user_model import changed, factory
 
 NET = OWN_NET + """
 def anything(**kwargs):

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from ddp_cli.exits import exits
+from ddp_cli.cli.exits import exits
 from ddp_cli.run.logenv import LOG_ENV  # the levels without -v and with it (torch warnings show)
 
 RegistryOpt = Annotated[str | None, typer.Option(

@@ -28,12 +28,12 @@ from ddp_cli import __version__
 from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.errors import ConfigError, require_extra
 from ddp_cli.io import atomic_write, write_text
-from ddp_cli.models import TINY, builder_kwargs, first_line
-from ddp_cli.timm_model import is_timm_model
-from ddp_cli.timm_model import parse as parse_timm
+from ddp_cli.models.timm_model import is_timm_model
+from ddp_cli.models.timm_model import parse as parse_timm
+from ddp_cli.models.user_model import is_user_model
+from ddp_cli.models.zoo import TINY, builder_kwargs, first_line
 from ddp_cli.train.checkpoint import read_manifest
 from ddp_cli.train.checkpoint_model import Trained, load_trained, warn_if_changed
-from ddp_cli.user_model import is_user_model
 
 log = logging.getLogger("ddp")
 

@@ -24,8 +24,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddp_cli.cli.config_view import render, schema
+from ddp_cli.cli.starter import write_starter
 from ddp_cli.config import RunConfig, TrainConfig, load_config
-from ddp_cli.config_view import render, schema
 from ddp_cli.data.fetch.storage import s3_filesystem
 from ddp_cli.data.sources.inputs import expand_inputs, input_root
 from ddp_cli.data.sources.layouts import SHARDS, build_index
@@ -41,11 +42,10 @@ from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.bucket import RunBucket, staging_folder
 from ddp_cli.run.jobs import Job, prepare_job, read_result
-from ddp_cli.starter import write_starter
 from ddp_cli.userfiles import user_path
 
 if TYPE_CHECKING:
-    from ddp_cli.preflight import Preflight
+    from ddp_cli.cli.preflight import Preflight
     from ddp_cli.run.launch import LaunchOptions
     from ddp_cli.train.checkpoint_model import Trained
 
@@ -142,7 +142,7 @@ def default_run_dir(cfg: RunConfig) -> Path:
 def prepare_run(run: Preflight, run_dir: Path | str | None, quiet: bool) -> Path:
     """The run directory, holding everything the workers need (`jobs.prepare_job`); for a run dir in a
     bucket, its staging folder, emptied and filled from the bucket (`pull.stage`)."""
-    from ddp_cli.preflight import warn_if_disk_short
+    from ddp_cli.cli.preflight import warn_if_disk_short
 
     bucket = bucket_of(run_dir)
     if bucket:
@@ -190,8 +190,8 @@ def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | Non
                     resume: str, quiet: bool) -> dict[str, Any]:
     """Check, hand off, launch; the result with where start-up time went (`StartupClock`). The index
     builds beside (`build`): meanwhile this process imports what building the model needs."""
-    from ddp_cli.models import import_builders
-    from ddp_cli.preflight import launch_workers, preflight
+    from ddp_cli.cli.preflight import launch_workers, preflight
+    from ddp_cli.models.zoo import import_builders
     from ddp_cli.run.launch import external_launcher, launch, single_threaded
 
     import_builders(cfg.model.name)
@@ -251,8 +251,8 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str 
     """Started by an external torchrun: rank 0 checks and prepares the run dir, every rank trains."""
     import torch.distributed as dist
 
+    from ddp_cli.cli.preflight import joined_workers, preflight
     from ddp_cli.distributed.setup import setup
-    from ddp_cli.preflight import joined_workers, preflight
     from ddp_cli.run.worker import run_job
 
     ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
@@ -277,8 +277,8 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str 
 def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) -> dict[str, Any]:
     """--dry-run: the checks `train` makes before starting workers, the plan they computed, and the
     scheduler whose variables filled the launch (`schedulers`: which, and each variable read)."""
-    from ddp_cli.plan import describe
-    from ddp_cli.preflight import launch_workers, preflight
+    from ddp_cli.cli.plan import describe
+    from ddp_cli.cli.preflight import launch_workers, preflight
     from ddp_cli.run.schedulers import recognise
 
     return {**describe(preflight(cfg, build, launch_workers(cfg, opts), resume)),
@@ -289,7 +289,7 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
              nproc_per_node: int, batch_size: int | None, precision: str | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint on the whole val split with any number of workers; the CSV files and the
     run's evaluation file (with --per-class) are written by rank 0."""
-    from ddp_cli.preflight import choose_node_loaders, validation_workers
+    from ddp_cli.cli.preflight import choose_node_loaders, validation_workers
     from ddp_cli.run.launch import LaunchOptions, single_threaded
     from ddp_cli.train.checkpoint_model import load_trained, warn_if_changed
 
@@ -387,7 +387,7 @@ def predict(job: Job, inputs: list[str], dataset: str | None, split: str, regist
             precision: str | None = None) -> list[dict[str, Any]]:
     """Top-k classes for every input image (files, folders, S3 objects or a data set split), in order;
     a bad image is an entry with its error."""
-    from ddp_cli.preflight import choose_node_loaders, validation_workers
+    from ddp_cli.cli.preflight import choose_node_loaders, validation_workers
     from ddp_cli.run.launch import LaunchOptions, single_threaded
     from ddp_cli.train.checkpoint_model import load_trained, warn_if_changed
 
@@ -488,7 +488,7 @@ def datasets_index(root: str, splits: dict[str, str], classes: str | None,
 
 def env() -> dict[str, Any]:
     """`ddp env`: this machine (`envinfo.machine`) and what "auto" picks on it."""
-    from ddp_cli.envinfo import machine
+    from ddp_cli.cli.envinfo import machine
 
     return {**machine(), **auto_choices()}
 
@@ -496,7 +496,7 @@ def env() -> dict[str, Any]:
 def auto_choices() -> dict[str, Any]:
     """What `ddp train` with `precision`, `backend` and `nproc_per_node` "auto" (and no flags) starts
     here, through the function it calls (`launch_workers`), so the two agree by construction."""
-    from ddp_cli.preflight import launch_workers
+    from ddp_cli.cli.preflight import launch_workers
     from ddp_cli.run.launch import LaunchOptions, with_environment
 
     cfg = RunConfig(train=TrainConfig(precision="auto"))  # distributed.* are "auto" by default
@@ -511,7 +511,7 @@ def auto_choices() -> dict[str, Any]:
 
 def export(checkpoint: Path, fmt: str, weights: str, out: Path) -> dict[str, Any]:
     """`ddp export`: the checkpoint's weights in `fmt`, with a model card beside them."""
-    from ddp_cli.export import export_checkpoint
+    from ddp_cli.models.export import export_checkpoint
 
     return export_checkpoint(Path(local_checkpoint(checkpoint)), fmt, weights, out)
 

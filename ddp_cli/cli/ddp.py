@@ -3,7 +3,7 @@
 
 Results go to stdout (with --json: exactly one JSON document, the last line, and on failure that
 document is the error); progress, tables and errors go to stderr. `ddp bench` is mounted from
-ddp_cli/bench/cli.py, a tool beside the product.
+ddp_cli/cli/bench.py, a tool beside the product.
 """
 
 from __future__ import annotations
@@ -21,18 +21,27 @@ try:  # typer >= 0.20 vendors its own click
 except ImportError:  # pragma: no cover - older typer on real click
     from click.exceptions import NoArgsIsHelpError, UsageError
 
-from ddp_cli import __version__, render
-from ddp_cli.bench.cli import bench_app
-from ddp_cli.clikit import JsonOpt, RegistryOpt, VerboseOpt, command, configure_logging, group, lazy_module
+from ddp_cli import __version__
+from ddp_cli.cli import render
+from ddp_cli.cli.bench import bench_app
+from ddp_cli.cli.clikit import (
+    JsonOpt,
+    RegistryOpt,
+    VerboseOpt,
+    command,
+    configure_logging,
+    group,
+    lazy_module,
+)
+from ddp_cli.cli.exits import emit, fail, report_error, stdout_may_close
+from ddp_cli.cli.render import err
 from ddp_cli.errors import DATA, SIGINT, USAGE, ConfigError, DataError
-from ddp_cli.exits import emit, fail, report_error, stdout_may_close
 from ddp_cli.fastexit import run_and_exit
-from ddp_cli.render import err
 
 if TYPE_CHECKING:
-    from ddp_cli import commands
+    from ddp_cli.cli import commands
 else:  # commands loads pydantic and numpy (and torch, in the commands that train): on first use,
-    commands = lazy_module("ddp_cli.commands")  # so `ddp --help` and `ddp --version` start at once
+    commands = lazy_module("ddp_cli.cli.commands")  # so `ddp --help` and `ddp --version` start at once
 
 app = group("Train image classifiers data-parallel on torch.distributed from one TOML file.",
             rich_markup_mode="markdown")

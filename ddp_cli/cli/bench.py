@@ -1,4 +1,4 @@
-"""`ddp bench ...`: the benchmarks' door, mounted on `ddp` by ddp_cli/cli.py.
+"""`ddp bench ...`: the benchmarks' door, mounted on `ddp` by ddp_cli/cli/ddp.py.
 
 One function per bench, as for the product's commands; the step benches (step, scaling,
 options, checkpoint) share one set of options, `step_options`, which arrive as one
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ddp_cli.clikit import JsonOpt, RegistryOpt, command, group
+from ddp_cli.cli.clikit import JsonOpt, RegistryOpt, command, group
+from ddp_cli.cli.exits import emit
+from ddp_cli.cli.render import print_bench
 from ddp_cli.errors import ConfigError, did_you_mean
-from ddp_cli.exits import emit
-from ddp_cli.render import print_bench
 
 if TYPE_CHECKING:
     from ddp_cli.bench.step import StepSpec
@@ -56,7 +56,7 @@ class StepSetup:
     def spec(self) -> StepSpec:
         """The step to time; a model no builder knows is a usage error (exit 2), before any worker."""
         from ddp_cli.bench.step import StepSpec  # imports torch
-        from ddp_cli.models import known_models
+        from ddp_cli.models.zoo import known_models
 
         if self.model not in known_models():
             known = known_models()

@@ -32,7 +32,7 @@ from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_bac
 from ddp_cli.errors import ConfigError
 from ddp_cli.index_build import IndexBuild
 from ddp_cli.io import existing_ancestor, size_words
-from ddp_cli.models import check_model, is_weight_name
+from ddp_cli.models.zoo import check_model, is_weight_name
 from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry

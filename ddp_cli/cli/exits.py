@@ -18,9 +18,9 @@ from typing import Any, NoReturn
 import typer
 from rich.markup import escape
 
+from ddp_cli.cli.render import err
 from ddp_cli.errors import INTERNAL, SIGINT, DdpError
 from ddp_cli.io import WRITE_ONLY, write_error
-from ddp_cli.render import err
 
 SIGPIPE = 141  # 128 + 13, as a shell reports a process that wrote to a closed pipe
 

@@ -1,6 +1,6 @@
 """Models by name: every torchvision classification model, `resnet_tiny` for small images, a
-factory of the user's own (`package.module:factory`, `file.py:factory`: `ddp_cli.user_model`), and
-timm's (`timm/<architecture>[.<tag>]`: `ddp_cli.timm_model`).
+factory of the user's own (`package.module:factory`, `file.py:factory`: `ddp_cli.models.user_model`), and
+timm's (`timm/<architecture>[.<tag>]`: `ddp_cli.models.timm_model`).
 
 `build_model` makes the real, freshly initialised network in a worker (with
 `model.kwargs` for its builder); `load_weights` and `freeze` are the
@@ -27,9 +27,9 @@ from torch import nn
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 from ddp_cli.io import is_checkpoint, load_plain
-from ddp_cli.timm_model import PRETRAINED, build_pretrained, cached_weights, import_timm, is_timm_model
-from ddp_cli.timm_model import build as timm_builder
-from ddp_cli.user_model import call, factory, is_user_model
+from ddp_cli.models.timm_model import PRETRAINED, build_pretrained, cached_weights, import_timm, is_timm_model
+from ddp_cli.models.timm_model import build as timm_builder
+from ddp_cli.models.user_model import call, factory, is_user_model
 
 TINY = "resnet_tiny"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrap names this way
