@@ -2,8 +2,8 @@
 `commands` and draws the result (`render`); errors become exit codes (`exits`).
 
 Results go to stdout (with --json: exactly one JSON document, the last line, and on failure that
-document is the error); progress, tables and errors go to stderr. `ddp bench` is mounted from
-ddp_cli/cli/bench.py, a tool beside the product.
+document is the error); progress, tables and errors go to stderr. `ddp bench` is mounted from its
+door, cli/bench.py (its measurements, ddp_cli/bench/, are a tool beside the product).
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ddp_cli"
 
 # bottom to top; each entry is one layer of sibling groups (a module belongs to its longest prefix)
 LAYERS: list[tuple[str, ...]] = [
+    # the foundations, at the package's top
     ("ddp_cli", "ddp_cli.errors", "ddp_cli.fastexit"),
     ("ddp_cli.io", "ddp_cli.userfiles"),
+    # what a model's name points at (a user's factory, timm's architecture): read with the run config
     ("ddp_cli.models.user_model", "ddp_cli.models.timm_model"),
-    ("ddp_cli.config", "ddp_cli.cli.starter"),
-    ("ddp_cli.cli.config_view",),
+    ("ddp_cli.config",),
     # data/'s rooms: bytes from storage, the listing of a data set, the input pipeline, writing shards
     ("ddp_cli.data", "ddp_cli.data.fetch"),
     ("ddp_cli.data.sources",),
@@ -31,18 +32,20 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.registry",),
     ("ddp_cli.index_build",),
     ("ddp_cli.train",),
-    ("ddp_cli.cli.envinfo", "ddp_cli.models.export"),
+    ("ddp_cli.models.export",),  # a checkpoint's weights for other programs: it reads train's checkpoints
     ("ddp_cli.run",),
-    # the doors' kit: drawing results, exit codes, declaring commands to Typer
-    ("ddp_cli.cli.render",),
+    # cli/, the front door: the kit (drawing results, exit codes, declaring commands to Typer) beside
+    # the helpers of single commands (init, config, env)
+    ("ddp_cli.cli.render", "ddp_cli.cli.starter", "ddp_cli.cli.config_view", "ddp_cli.cli.envinfo"),
     ("ddp_cli.cli.exits",),
     ("ddp_cli.cli.clikit",),
     # the product's commands, and beside them (neither imports the other) the benchmarks: a tool
     ("ddp_cli.cli.preflight", "ddp_cli.cli.plan", "ddp_cli.cli.commands", "ddp_cli.bench"),
-    ("ddp_cli.cli",),
+    ("ddp_cli.cli",),  # the Typer apps: `ddp` (cli/ddp.py) and `ddp bench`'s door (cli/bench.py)
     ("ddp_cli.__main__",),
 ]
-SHARED_GROUP = {"ddp_cli.cli.preflight", "ddp_cli.cli.plan", "ddp_cli.cli.commands"}  # one layer, one job: commands
+# one layer, one job: commands
+SHARED_GROUP = {"ddp_cli.cli.preflight", "ddp_cli.cli.plan", "ddp_cli.cli.commands"}
 
 
 def group_of(module: str) -> str:
@@ -113,7 +116,10 @@ def test_the_rule_refuses_upward_and_sibling_imports():
     assert violations("ddp_cli.cli.commands", {"ddp_cli.bench.step"})  # the product using the bench tool
     assert violations("ddp_cli.cli.preflight", {"ddp_cli.bench.faultproxy"})
     assert violations("ddp_cli.bench.e2e", {"ddp_cli.cli.commands"})  # nor the tool the product's door
-    assert not violations("ddp_cli.cli", {"ddp_cli.cli.bench", "ddp_cli.cli.commands"})
+    assert not violations("ddp_cli.cli.ddp", {"ddp_cli.cli.bench", "ddp_cli.cli.commands"})
+    assert not violations("ddp_cli.cli.bench", {"ddp_cli.bench.step", "ddp_cli.cli.clikit"})  # the door
+    assert violations("ddp_cli.config", {"ddp_cli.models.zoo"})  # config reads model names, builds none
+    assert violations("ddp_cli.models.zoo", {"ddp_cli.models.export"})
     with pytest.raises(AssertionError, match="no layer"):
         group_of("ddp_cli.newthing")
 
@@ -127,3 +133,18 @@ def test_every_import_form_is_read(tmp_path):
     assert {"ddp_cli.registry", "ddp_cli.data.sources.table", "ddp_cli.data.fetch.retry",
             "ddp_cli.run.worker"} <= found
     assert violations("ddp_cli.data.fetch.storage", found)
+
+
+@pytest.mark.parametrize("package", sorted(m for m, path in modules().items() if path.name == "__init__.py"))
+def test_every_package_says_what_it_holds_and_what_it_may_import(package):
+    """A room's door says what is inside and whom it may call on, so the house reads at a glance."""
+    doc = ast.get_docstring(ast.parse(modules()[package].read_text()), clean=False) or ""
+    lines = doc.splitlines()
+    assert len(lines) >= 2 and lines[0].strip() and "import" in lines[1], (
+        f"{package}'s docstring: line 1 what it holds, line 2 what it may import")
+
+
+def test_the_top_folder_holds_only_foundations():
+    """At most ten modules beside the packages (__init__ and __main__ count): the rest lives in a room."""
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= 10, top

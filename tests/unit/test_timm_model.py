@@ -1,5 +1,5 @@
-"""timm's models (`ddp_cli.models.timm_model`): the name, an unknown architecture or tag, the missing extra, the
-pretrained weights read from a test-made Hugging Face cache with the network cut (exit 3 naming the path
+"""timm's models (`ddp_cli.models.timm_model`): the name, an unknown architecture or tag, the missing extra,
+the pretrained weights read from a test-made Hugging Face cache with the network cut (exit 3 naming the path
 and the command when they are missing), their data config applied or overridden, and the plan's line."""
 
 from __future__ import annotations
