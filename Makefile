@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # the site: strict (a broken link, page or anchor fails), offline; without Material's notice
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-.PHONY: setup train test test-cpu-kinds test-cuda gpu-check lint docs clean constraints mutate fuzz
+.PHONY: setup train test test-fast test-cpu-kinds test-cuda gpu-check lint docs clean constraints mutate fuzz
 
 setup: $(STAMP)
 
@@ -40,6 +40,13 @@ test: setup
 	$(MKDOCS) --quiet
 	$(BIN)/python -m pytest -q -n auto tests/unit tests/gpu_rules tests/fuzz
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests/e2e tests/cuda
+
+# Between edits (under 3 minutes on 2 cores): ruff, then the unit, fake-GPU and fuzz tests on every core,
+# in-process: no e2e test, none marked `processes` (the few unit tests that start an interpreter or
+# forked/spawned workers; `make test` runs them), and no docs build.
+test-fast: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n auto -m "not processes" tests/unit tests/gpu_rules tests/fuzz
 
 # The end-to-end suite as other CPUs run it, from this one (tools/cpu_kinds.py; docs/development.md, "Other
 # CPUs"): `auto` precision and torch's kernels as on an AVX2-only CPU, every process on one core; then bf16 as

@@ -207,6 +207,7 @@ def epoch_pixels(root: str, split: Split, items: list[tuple[int, int, int]], wor
     return torch.cat([batch[0] for batch in loader])
 
 
+@pytest.mark.processes
 def test_augmented_pixels_depend_only_on_seed_epoch_and_index(jpeg_split):
     """The same (seed, epoch, index) gives the same pixels in-process and in two loader processes, in
     any order: what a resumed run relies on."""

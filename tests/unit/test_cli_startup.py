@@ -12,6 +12,8 @@ import tomllib
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.processes  # each test starts an interpreter
+
 # runs `ddp ARGS` as the console script does, then reports (on stderr: stdout is the command's) whether
 # it imported torch, and the registry (which `commands`, loaded lazily, imports when it runs);
 # entry_point exits through os._exit, so the report is printed by a hook

@@ -83,6 +83,7 @@ def test_each_stage_gets_its_budget_capped_by_what_is_left_of_the_whole(tmp_path
         ctx.seconds_left()
 
 
+@pytest.mark.processes
 def test_a_command_past_its_stage_budget_is_killed(tmp_path):
     ctx = gc.Context(tmp_path, deadline=time.monotonic() + 0.5)
     started = time.monotonic()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from synthetic import make_imagenet_loc, write_registry
 
 from ddp_cli.config import RunConfig
@@ -22,6 +23,7 @@ def run_fresh(code: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.processes
 def test_the_child_builds_the_same_index_and_passes_errors_back_whole(tmp_path):
     make_imagenet_loc(tmp_path / "data")
     storage = {"driver": "FileSystem", "path": str(tmp_path / "data")}

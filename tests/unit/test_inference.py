@@ -145,6 +145,7 @@ def evaluate_one_image(rank: int, world_size: int) -> dict:
     return {**totals.metrics, "confusion": totals.confusion.tolist()}
 
 
+@pytest.mark.processes
 def test_a_rank_without_val_images_still_reduces_the_confusion_matrix():
     from ddp_cli.run.loopback import run_workers
 

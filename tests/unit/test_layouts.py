@@ -88,6 +88,7 @@ def _build_after_barrier(barrier, root: str) -> None:
     demo.ensure_demo(Path(root))
 
 
+@pytest.mark.processes
 def test_ensure_demo_is_safe_from_several_processes(tmp_path):
     root = tmp_path / "shared" / "demo"
     ctx = multiprocessing.get_context("spawn")

@@ -95,6 +95,7 @@ class FreezeCount(Dataset):
         return gc.get_freeze_count(), 0, "", ""  # ImageDataset's (image, label, skipped, error)
 
 
+@pytest.mark.processes
 def test_loader_processes_keep_the_objects_they_inherit_out_of_the_gc():
     """A collection in a loader process would write to, and so copy, every page of the rank's objects."""
     sampler = ShardSampler(2, 0, 1, shuffle=False)

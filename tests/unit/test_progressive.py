@@ -35,6 +35,7 @@ def test_bad_ramps_are_refused(bad):
         DataConfig(**bad)
 
 
+@pytest.mark.processes
 def test_persistent_loader_processes_crop_at_each_epochs_size(tmp_path):
     """The sampler sends the size with each index, so the loader process (alive across epochs) obeys."""
     root = tmp_path / "data"

@@ -171,6 +171,7 @@ def test_the_policy_is_read_from_the_data_section():
     assert IoPolicy.of(data) == IoPolicy(retries=3, wait_s=0.7, concurrency=5)
 
 
+@pytest.mark.processes
 def test_the_counter_starts_at_zero_and_sees_the_retries_of_forked_loader_processes(monkeypatch):
     monkeypatch.setattr(retry, "_count", None)  # a fresh process
     assert retry.retries_so_far() == 0

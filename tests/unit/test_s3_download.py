@@ -58,6 +58,7 @@ def _made_here(fs: Options, parents: int, queue) -> None:
     queue.put((os.getpid(), id(client(fs)) != parents, fs._ddp_sync_client[0] == os.getpid()))
 
 
+@pytest.mark.processes
 def test_each_process_makes_its_own_client_and_its_threads_share_it():
     fs = Options(**S3FS_OPTIONS)
     first = client(fs)
