@@ -128,6 +128,9 @@ class AgreedStop:
     def agreed(self) -> int:
         return signal.SIGTERM
 
+    def after_step(self, step: int) -> None:
+        pass
+
 
 def test_a_stop_ends_the_run_only_once_its_checkpoint_is_on_disk(tmp_path):
     ckpt, _, _ = checkpointer(tmp_path, background=True, stop=AgreedStop())
