@@ -73,7 +73,7 @@ def step_replica(trainer: Trainer, rank: int, world_size: int, step: int) -> Non
     accum, batch = trainer.accum, trainer.cfg.data.batch_size
     images, labels = global_batch(step, world_size * batch * accum)
     mine = torch.arange(len(labels)).view(accum, world_size, batch)[:, rank]  # each micro-batch's block
-    trainer.train_step([Batch(images[idx], labels[idx], [""] * batch, [""] * batch) for idx in mine])
+    trainer.train_step([(Batch(images[idx], labels[idx], [""] * batch, [""] * batch),) for idx in mine])
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:

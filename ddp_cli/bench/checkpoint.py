@@ -44,7 +44,7 @@ NORMAL = 3  # plain steps per round before the checkpointing one
 def _timed_step(trainer, batches, save: bool) -> float:
     dist.barrier()
     started = time.perf_counter()
-    trainer.train_step([next(batches)])
+    trainer.train_step([(next(batches),)])
     trainer.state.step += 1
     if save:
         trainer.save()
@@ -60,7 +60,7 @@ def time_mode(spec: StepSpec, precision: str, mode: str, folder: Path) -> dict[s
     trainer.model.train()
     batches = iter(trainer.loaders.train)
     for _ in range(spec.warmup):
-        trainer.train_step([next(batches)])
+        trainer.train_step([(next(batches),)])
     times: dict[str, list[float]] = {"normal": [], "checkpointing": [], "after": []}
     for _ in range(spec.rounds):
         times["normal"] += [_timed_step(trainer, batches, False) for _ in range(NORMAL)]

@@ -31,7 +31,7 @@ The variants alternate over `rounds` (fresh model each time) so background load
 hits all alike. With `device = "cuda"` the workers are NCCL ranks, one GPU
 each, and each row also gives the peak GPU memory its loop allocated. A
 breakdown times the Trainer's own step methods with the default settings (data
-wait, `forward_loss`, `backward`, `optimizer_step` with its scaler, clipping and
+wait, the objective's `loss`, `backward`, `optimizer_step` with its scaler, clipping and
 EMA), once with DDP's all-reduce and once under
 `no_sync`: the difference in backward is the all-reduce time that backward did
 not hide.
@@ -163,7 +163,7 @@ def ddp_step(spec: StepSpec, precision: str, channels_last: bool,
     trainer = ddp_trainer(spec, precision, channels_last, overrides)
     trainer.model.train()
     batches = iter(trainer.loaders.train)
-    return lambda: trainer.train_step([next(batches)])
+    return lambda: trainer.train_step([(next(batches),)])
 
 
 def time_ddp(spec: StepSpec, precision: str, channels_last: bool, overrides: tuple[str, ...] = ()) -> float:
@@ -272,12 +272,12 @@ def host_syncs(spec: StepSpec, precision: str, channels_last: bool) -> dict:
     trainer.model.train()
     batches = iter(trainer.loaders.train)
     for _ in range(spec.warmup):
-        trainer.train_step([next(batches)])
+        trainer.train_step([(next(batches),)])
     counts = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(spec.steps):
-            micro, before = [next(batches)], len(seen)
+            micro, before = [(next(batches),)], len(seen)
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 trainer.train_step(micro)
@@ -315,7 +315,7 @@ def phase_seconds(spec: StepSpec, precision: str, channels_last: bool, sync: boo
         batch = next(batches)
         marks.append(settled(device))
         with trainer.gradient_sync(sync):
-            loss = trainer.forward_loss(batch)
+            loss, _ = trainer.objective.loss(trainer.forward, (batch,), trainer.state.step)
             marks.append(settled(device))
             trainer.backward(loss)
         marks.append(settled(device))

@@ -1,8 +1,9 @@
 """The training loop: N replicas, each on its own shard, gradients averaged every step.
 
 `fit()` is the whole run: for each epoch, `train_epoch()` (micro-batches through
-DDP with `no_sync` on all but the last, one optimiser and schedule step each),
-then `validate()` over the whole val split (and of the weights' EMA, if on),
+DDP with `no_sync` on all but the last, one optimiser and schedule step each;
+the loss is the run's `Objective`'s: objectives.py), then `validate()` over the
+whole val split (and of the weights' EMA, if on),
 and after every step and epoch `checkpoint()`: when the `Checkpointer` says a
 save is due, the state is settled and saved (and a stop signal ends the run).
 What a Trainer needs from its process (steps per epoch, the checkpointer with
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig, TrainConfig, config_from_dict
 from ddp_cli.data.fetch.retry import retries_so_far
-from ddp_cli.data.pipeline.loaders import Batch, Loaders, skipped_files
-from ddp_cli.data.pipeline.transforms import normalising, to_model_input
+from ddp_cli.data.pipeline.loaders import Loaders, skipped_files
+from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext, queued_copy
 from ddp_cli.errors import ConfigError, DivergedError
@@ -37,12 +38,11 @@ from ddp_cli.observe.startup import StartupClock
 from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
 from ddp_cli.train.checkpoint_model import warn_if_changed
 from ddp_cli.train.ema import EmaModel
-from ddp_cli.train.fixmatch import SUMS, fixmatch_loss, summary
-from ddp_cli.train.inference import evaluate, raise_bad_images
+from ddp_cli.train.inference import evaluate
 from ddp_cli.train.metrics import EvalTotals
-from ddp_cli.train.mixing import BatchMixing, loss_function
+from ddp_cli.train.objectives import Micro, build_objective
 from ddp_cli.train.optim import build_optimizer
-from ddp_cli.train.precision import autocast, grad_scaler, resolve_precision
+from ddp_cli.train.precision import grad_scaler, resolve_precision
 from ddp_cli.train.schedules import build_scheduler, resume_schedule
 
 log = logging.getLogger("ddp")
@@ -94,14 +94,11 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps_per_epoch,
                                          steps_per_epoch * cfg.train.epochs)
         self.scaler = grad_scaler(ctx.device, self.precision)
-        self.loss_fn = loss_function(cfg)  # labels or mixes
-        self.mixing = BatchMixing(cfg.augment, cfg.seed) if cfg.augment.mixing() else None
+        self.objective = build_objective(cfg, loaders, ctx.device, self.precision, self.ema)
         self.state = RunState(global_batch=self.global_batch, world_sizes=[ctx.world_size])
-        self.semi = cfg.semi if loaders.unlabelled is not None else None  # FixMatch (fixmatch.py)
-        self.unlabelled_batches: Iterator[Batch] | None = None  # the endless stream, from its position
-        # the epoch's loss sum, steps (and FixMatch's SUMS); semi_mark: all ranks' sums at the last record
-        self.running = torch.zeros(2 + len(SUMS) * bool(self.semi), dtype=torch.float64, device=ctx.device)
-        self.semi_mark = self.running.clone()
+        # the epoch's loss sum, steps and the objective's sums; mark: all ranks' at the last record
+        self.running = torch.zeros(2 + len(self.objective.sums), dtype=torch.float64, device=ctx.device)
+        self.mark = self.running.clone()
         self.retries_seen = retries_so_far()
         self.checkpointer = checkpointer or Checkpointer(None)
         self.on_validation: Callable[[EvalTotals, int], None] | None = None  # (totals, epoch): rank 0's files
@@ -114,7 +111,7 @@ class Trainer:
         cfg, images_seen, train_seconds = self.cfg, 0, 0.0
         for epoch in range(self.state.epoch, cfg.train.epochs):
             started = time.perf_counter()
-            train_loss, bad, semi = self.train_epoch(epoch)
+            train_loss, bad, metrics = self.train_epoch(epoch)
             seconds = time.perf_counter() - started
             train_seconds += seconds
             images_seen += self.steps_per_epoch * self.global_batch
@@ -133,7 +130,7 @@ class Trainer:
                    "top1": val["top1"], "top5": val["top5"], "seconds": seconds,
                    "images_per_second": self.steps_per_epoch * self.global_batch / seconds,
                    "skipped": len(bad), "io_retries": retries,
-                   **({"ema_top1": ema_val["top1"]} if ema_val else {}), **semi}
+                   **({"ema_top1": ema_val["top1"]} if ema_val else {}), **metrics}
             self.state.history.append(row)
             self.log({"split": "val", "epoch": epoch + 1, "step": self.state.step, **val,
                       "lr": self.optimizer.param_groups[0]["lr"], "image_size": cfg.data.train_size(epoch),
@@ -141,8 +138,9 @@ class Trainer:
                       "io_retries": retries})
             if ema_val:
                 self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val})
-            if semi:
-                self.log({"split": "semi", "epoch": epoch + 1, "step": self.state.step, **semi})
+            if metrics:  # the objective's own, over the epoch
+                self.log({"split": self.objective.name, "epoch": epoch + 1, "step": self.state.step,
+                          **metrics})
             self.console.epoch_done(row)
             if self.on_validation:
                 self.on_validation(evaluation, epoch + 1)
@@ -161,7 +159,7 @@ class Trainer:
     def train_epoch(self, epoch: int) -> tuple[float, set[str], dict[str, Any]]:
         """One pass over this rank's shard (or what is left of it after a resume).
 
-        Returns (mean train loss of all ranks, this rank's bad files, FixMatch's epoch metrics or {}).
+        Returns (mean train loss of all ranks, this rank's bad files, the objective's epoch metrics).
         """
         start = self.state.step_in_epoch
         sampler = self.loaders.train_sampler
@@ -172,20 +170,18 @@ class Trainer:
         batches = iter(self.loaders.train)
         self.running.copy_(queued_copy(torch.tensor(self.state.running_of(
             self.ctx.rank, self.ctx.world_size, len(self.running)), dtype=torch.float64), self.ctx.device))
-        if self.semi:
-            self.semi_mark = self.reduced_running()
+        if self.objective.sums:
+            self.mark = self.reduced_running()
         bad, window, every = set(), (start, time.perf_counter()), self.cfg.logging.every_steps
         lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:
             update(start)
             for step in range(start + 1, self.steps_per_epoch + 1):
-                micro = [next(batches) for _ in range(self.accum)]
-                unlabelled = [self.next_unlabelled() for _ in micro] if self.semi else None
+                micro = self.objective.micro_batches([next(batches) for _ in range(self.accum)])
                 self.startup.mark("first_batch")
-                bad.update(path for batch in micro + (unlabelled or [])
-                           for path in skipped_files(batch.skipped))
+                bad.update(path for part in micro for batch in part for path in skipped_files(batch.skipped))
                 lrs.append(self.optimizer.param_groups[0]["lr"])
-                sums = self.train_step(micro, unlabelled)
+                sums = self.train_step(micro)
                 self.running += torch.cat([sums[:1], self.running.new_ones(1), sums[1:]])
                 self.state.step, self.state.step_in_epoch = self.state.step + 1, step
                 if startup := self.startup.finish("first_step"):
@@ -199,12 +195,12 @@ class Trainer:
                     update(step, loss=loss, lr=lrs[-1], img_s=rate)
                     self.log({"split": "train", "epoch": epoch + 1, "step": self.state.step,
                               "loss": loss, "lr": lrs[-1], "lrs": lrs, "images_per_second": rate,
-                              **(self.semi_window() if self.semi else {})})
+                              **self.metrics_window()})
                     window, lrs = (step, time.perf_counter()), []
                 if step < self.steps_per_epoch:  # the epoch's last step is saved after validation
                     self.checkpoint()
         loss, steps, *sums = self.reduced_running().tolist()
-        return loss / max(steps, 1), bad, summary(sums, steps * self.accum) if self.semi else {}
+        return loss / max(steps, 1), bad, self.objective.metrics(sums, steps * self.accum)
 
     def reduced_running(self) -> torch.Tensor:
         """The epoch's running sums of all ranks."""
@@ -212,35 +208,26 @@ class Trainer:
         dist.all_reduce(running)
         return running
 
-    def next_unlabelled(self) -> Batch:
-        """The next unlabelled micro-batch (both views of each image), the stream's position moved on: the
-        stream starts where the run stands (a fresh run or a resume) and runs across epochs."""
-        stream = self.loaders.unlabelled_stream
-        if self.unlabelled_batches is None:
-            stream.start(self.state.unlabelled_epoch, self.state.unlabelled_seen)
-            self.unlabelled_batches = iter(self.loaders.unlabelled)
-        self.state.unlabelled_epoch, self.state.unlabelled_seen = stream.advance(
-            self.state.unlabelled_epoch, self.state.unlabelled_seen)
-        return next(self.unlabelled_batches)
-
-    def semi_window(self) -> dict[str, Any]:
-        """FixMatch's metrics since the last record (all ranks')."""
+    def metrics_window(self) -> dict[str, Any]:
+        """The objective's metrics since the last record (all ranks'); none, and no collective, without
+        sums of its own."""
+        if not self.objective.sums:
+            return {}
         now = self.reduced_running()
-        since, self.semi_mark = (now - self.semi_mark).tolist(), now
-        return summary(since[2:], since[1] * self.accum)
+        since, self.mark = (now - self.mark).tolist(), now
+        return self.objective.metrics(since[2:], since[1] * self.accum)
 
-    def train_step(self, micro: list[Batch], unlabelled: list[Batch] | None = None) -> torch.Tensor:
-        """Forward/backward each micro-batch (gradients synced on the last; with FixMatch, with its
-        unlabelled micro-batch), then one optimiser step. Returns (loss, FixMatch's SUMS...) of the step."""
+    def train_step(self, micro: list[Micro]) -> torch.Tensor:
+        """Forward/backward each micro-step's batches through the objective, its loss divided by the
+        micro-steps (gradients synced on the last), then one optimiser step. Returns (loss, the
+        objective's sums...) of the step."""
         total = torch.zeros((), device=self.ctx.device)
-        sums = torch.zeros(len(self.running) - 2, dtype=torch.float64, device=self.ctx.device)
-        for i, batch in enumerate(micro):
+        sums = torch.zeros(len(self.objective.sums), dtype=torch.float64, device=self.ctx.device)
+        for i, part in enumerate(micro):
             with self.gradient_sync(i == len(micro) - 1):
-                if unlabelled:
-                    loss, semi = self.fixmatch_loss(batch, unlabelled[i], len(micro))
-                    sums += semi
-                else:
-                    loss = self.forward_loss(batch, len(micro))
+                loss, counted = self.objective.loss(self.forward, part, self.state.step)
+                loss = loss / len(micro)
+                sums += counted
                 self.backward(loss)
             total += loss.detach().float()
         self.optimizer_step()
@@ -249,46 +236,6 @@ class Trainer:
     def gradient_sync(self, sync: bool) -> AbstractContextManager:
         """DDP all-reduces gradients during backward only when `sync` (the last micro-batch)."""
         return nullcontext() if sync else self.model.no_sync()
-
-    def forward_loss(self, batch: Batch, parts: int = 1) -> torch.Tensor:
-        """The loss of one (micro-)batch, divided by the micro-batches that make the step; with MixUp or
-        CutMix on, of the step's mix of it, against the mixed labels."""
-        raise_bad_images(batch.errors)
-        x = to_model_input(batch.images, self.ctx.device, self.cfg.model.channels_last,
-                           normalising(self.cfg.data))
-        y = batch.labels.to(self.ctx.device, non_blocking=True)
-        mix = self.mixing.draw(self.state.step, x) if self.mixing else None
-        if mix:
-            x = mix.images(x)
-        with autocast(self.ctx.device, self.precision):
-            logits = self.forward(x)
-            return self.loss_fn(logits, mix.targets(y, logits.shape[1]) if mix else y) / parts
-
-    def fixmatch_loss(self, batch: Batch, unlabelled: Batch,
-                      parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """FixMatch's loss of a labelled micro-batch and its unlabelled one, in one forward pass of
-        [labelled; weak views; strong views] (`fixmatch.py`), divided by `parts`; and its sums."""
-        raise_bad_images(batch.errors)
-        raise_bad_images(unlabelled.errors)
-        # each pinned batch copied as it is, then joined on the device (a cat on the host would make a
-        # pageable tensor, whose copy to a GPU is synchronous); views: N x 2 x H x W x C, weak then strong
-        device = self.ctx.device
-        views = unlabelled.images.to(device, non_blocking=True)
-        images = torch.cat([batch.images.to(device, non_blocking=True), views[:, 0], views[:, 1]])
-        x = to_model_input(images, device, self.cfg.model.channels_last, normalising(self.cfg.data))
-        y = batch.labels.to(self.ctx.device, non_blocking=True)
-        hidden = unlabelled.labels.to(self.ctx.device, non_blocking=True)
-        teacher = self.teacher_logits(x[len(y):len(y) + len(views)]) if self.semi.ema_teacher else None
-        with autocast(self.ctx.device, self.precision):
-            logits = self.forward(x)
-            loss, sums = fixmatch_loss(logits, y, hidden, self.semi, self.loss_fn, teacher)
-        return loss / parts, sums
-
-    @torch.no_grad()
-    def teacher_logits(self, weak: torch.Tensor) -> torch.Tensor:
-        """The EMA weights' logits of the weak views (semi.ema_teacher), in eval mode."""
-        with autocast(self.ctx.device, self.precision):
-            return self.ema.module(weak).float()
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
@@ -328,8 +275,9 @@ class Trainer:
         """Before any checkpoint: never diverged weights, and a state every writer saves alike (a node
         whose run dir is not shared writes a copy of its own): BatchNorm statistics are rank 0's, as
         DDP's broadcast at the next forward would make them anyway, and the running loss is every
-        rank's own."""
+        rank's own. The objective's state goes with the run's progress, flat (RunState's fields)."""
         self.check_finite()
+        self.state.load_state_dict(self.objective.state_dict())
         for buffer in self.model.module.buffers():
             dist.broadcast(buffer, src=0)
         everyone = [torch.empty_like(self.running) for _ in range(self.ctx.world_size)]
@@ -348,6 +296,7 @@ class Trainer:
         """Continue exactly where a checkpoint left off, mid-epoch included; at another world size,
         follow the new global batch (`follow_world_size`)."""
         saved = self.checkpointer.load(path)  # in the current format, whatever version wrote it
+        self.objective.load_state_dict(self.state.state_dict())
         if self.ctx.is_main and "config" in saved:  # the model file it was trained from, edited since?
             warn_if_changed(config_from_dict(saved["config"], str(path)).model, path)
         if self.ema and saved.get("ema") is None:  # the run had no EMA so far: average from here on
@@ -400,7 +349,7 @@ class Trainer:
             "startup_seconds": self.startup.seconds(),  # to the end of the first step, by phase
             "world_sizes": self.state.world_sizes,
             "last_epoch": last,
-            **({"semi": {k: last.get(k) for k in ("mask_rate", "pseudo_label_top1")}} if self.semi else {}),
+            **self.objective.summary(last),
         }
 
     def log(self, record: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ def losses(rank: int, world_size: int, folder: str) -> dict:
         x = to_model_input(images, torch.device("cpu"), cfg.model.channels_last)
         with torch.no_grad():  # BatchNorm in eval (make_trainer): the same logits the step sees
             logits = trainer.model.module(x)
-        loss = trainer.train_step([Batch(images, labels, [""] * len(labels), [""] * len(labels))])
+        loss = trainer.train_step([(Batch(images, labels, [""] * len(labels), [""] * len(labels)),)])
         out[eps] = (logits.double().numpy(), labels.numpy(), float(loss))
     return out
 

@@ -10,10 +10,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_cli.config import RunConfig
-from ddp_cli.data.pipeline.loaders import Batch, Loaders, make_loader
+from ddp_cli.data.pipeline.loaders import Loaders, make_loader
 from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.distributed.setup import DistContext, choose_device, seed_everything
 from ddp_cli.train.checkpoint import Checkpointer
+from ddp_cli.train.objectives import Micro
 from ddp_cli.train.trainer import Trainer
 from gpu_rules.node import RANK, WORLD
 
@@ -62,8 +63,8 @@ def gpu_trainer(cfg: RunConfig, checkpointer: Checkpointer | None = None) -> Tra
     return Trainer(cfg, ctx, tiny_net(), tiny_loaders(), 2, checkpointer)
 
 
-def micro_batches(trainer: Trainer) -> list[Batch]:
-    """One step's micro-batches, pinned as the loader hands them over."""
+def micro_batches(trainer: Trainer) -> list[Micro]:
+    """One step's labelled micro-batches, pinned as the loader hands them over."""
     batches = iter(trainer.loaders.train)
     trainer.loaders.train_sampler.set_epoch(0)
-    return [next(batches) for _ in range(trainer.accum)]
+    return [(next(batches),) for _ in range(trainer.accum)]

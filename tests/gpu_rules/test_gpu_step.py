@@ -114,6 +114,7 @@ def test_a_fixmatch_step_with_an_ema_teacher_stays_on_the_gpu_and_reads_nothing(
 
     from ddp_cli.data.pipeline.loaders import Batch
     from ddp_cli.distributed.setup import DistContext, choose_device, seed_everything
+    from ddp_cli.train.objectives import FixMatch
     from ddp_cli.train.trainer import Trainer
     from gpu_rules.gpu_parts import tiny_loaders, tiny_net
     from gpu_rules.node import RANK, WORLD
@@ -124,10 +125,11 @@ def test_a_fixmatch_step_with_an_ema_teacher_stays_on_the_gpu_and_reads_nothing(
     ctx = DistContext(RANK, WORLD, RANK, WORLD, choose_device("nccl", RANK), "nccl")
     loaders = tiny_loaders()
     trainer = Trainer(cfg, ctx, tiny_net(), replace(loaders, unlabelled=loaders.train), 2)  # FixMatch on
-    micro = micro_batches(trainer)
-    views = torch.randint(0, 256, (2 * len(micro[0].labels), 2, 8, 8, 3), dtype=torch.uint8).pin_memory()
+    labelled = [batch for (batch,) in micro_batches(trainer)]
+    views = torch.randint(0, 256, (2 * len(labelled[0].labels), 2, 8, 8, 3), dtype=torch.uint8).pin_memory()
     unlabelled = Batch(views, torch.full((len(views),), -1, dtype=torch.long).pin_memory(),
                        [""] * len(views), [""] * len(views))
-    sums = trainer.train_step(micro, [unlabelled])
-    assert trainer.semi is not None and not off_the_gpu([sums, *trainer.model.module.state_dict().values()])
+    sums = trainer.train_step([(batch, unlabelled) for batch in labelled])
+    assert isinstance(trainer.objective, FixMatch)
+    assert not off_the_gpu([sums, *trainer.model.module.state_dict().values()])
     assert not gpu.reads

@@ -356,14 +356,15 @@ def test_the_trainer_batches_labelled_weak_and_strong_in_one_forward_with_the_em
                           build_model(cfg.model, CLASSES), loaders, steps)
         sizes, taught = [], []
         trainer.model.module.register_forward_hook(lambda module, args, out: sizes.append(len(args[0])))
-        monkeypatch.setattr(trainer, "teacher_logits", lambda weak: (taught.append(len(weak)),
+        monkeypatch.setattr(trainer.objective, "teacher_logits", lambda weak: (taught.append(len(weak)),
                                                                       torch.zeros(len(weak), CLASSES))[1])
         _, _, semi = trainer.train_epoch(0)
     finally:
         dist.destroy_process_group()
     assert sizes == [b + 2 * mu * b] * steps * accum and taught == [mu * b] * steps * accum
     assert semi["mask_rate"] == 1.0  # threshold 0: every pseudo-label counts
-    assert (trainer.state.unlabelled_epoch, trainer.state.unlabelled_seen) == (1, 6)  # 20 // 6 = 3 a pass
+    # the stream's position: 20 // 6 = 3 micro-steps a pass
+    assert trainer.objective.state_dict() == {"unlabelled_epoch": 1, "unlabelled_seen": 6}
 
 
 UNLABELLED_IMAGES = 12  # per layout below: 3 steps of 2 ranks x batch 2 x mu 1, a pass with none dropped
