@@ -292,7 +292,8 @@ class RunState:
     samples_in_epoch: int = 0  # positions of this epoch's order consumed, all ranks
     epoch_layout: int = 0  # the sampler chunk (ranks x batch) the epoch's order is laid out for
     global_batch: int = 0  # images per optimisation step when this state was reached
-    running: list[list[float]] = field(default_factory=list)  # per rank: loss sum, steps, FixMatch's sums
+    running: list[list[float]] = field(default_factory=list)  # per rank: loss sum, steps, the objective's
+    # the objective's state (objectives.py), saved here at every checkpoint and handed back on resume:
     unlabelled_epoch: int = 0  # semi.method = "fixmatch": the unlabelled stream's pass under way
     unlabelled_seen: int = 0  # and its positions consumed, all ranks (semi.py)
     best_top1: float = -1.0
@@ -313,7 +314,7 @@ class RunState:
                 setattr(self, f.name, state[f.name])
 
     def running_of(self, rank: int, world_size: int, width: int = 2) -> list[float]:
-        """Rank `rank`'s share of the epoch's running sums (loss, steps, and FixMatch's: `width` in all):
+        """Rank `rank`'s share of the epoch's running sums (loss, steps, the objective's: `width` in all):
         its own at the same world size; at another, all of it on rank 0 (the epoch's are their sums)."""
         if len(self.running) == world_size:
             return self.running[rank]
