@@ -39,9 +39,9 @@ class Objective(Protocol):
     """A training method, as the Trainer sees it.
 
     Its running sums (`sums`, added up over the epoch beside the loss, checkpointed
-    in `running`) make its metrics; its `state_dict()` is saved flat among the run's
-    progress fields (checkpoint.RunState), so the checkpoint format is the same
-    whatever the method.
+    in `running`) make its metrics; its state is a few of the run's progress fields
+    (checkpoint.RunState declares them, at a checkpoint's top level), so the
+    checkpoint format is the same whatever the method.
     """
 
     name: str  # its metrics' split in metrics.jsonl and its key in `ddp train --json`
@@ -52,7 +52,8 @@ class Objective(Protocol):
         ...
 
     def loss(self, forward: Forward, micro: Micro, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, sums) of one micro-step of optimisation step `step` (0-based, the one being taken)."""
+        """(loss, sums) of one micro-step of optimisation step `step` (0-based, the one being taken); the
+        Trainer divides the loss by the step's micro-steps."""
         ...
 
     def metrics(self, sums: list[float], micro_steps: float) -> dict[str, Any]:
@@ -63,8 +64,13 @@ class Objective(Protocol):
         """What `ddp train --json` adds, from the last epoch's record."""
         ...
 
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def state_dict(self) -> dict[str, Any]:
+        """Its fields of the run's progress, as they stand: written into RunState before every save."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Its fields from the run's progress, on resume (RunState's defaults where a checkpoint had none)."""
+        ...
 
 
 def build_objective(cfg: RunConfig, loaders: Loaders, device: torch.device, precision: str,

@@ -296,7 +296,7 @@ class Trainer:
         """Continue exactly where a checkpoint left off, mid-epoch included; at another world size,
         follow the new global batch (`follow_world_size`)."""
         saved = self.checkpointer.load(path)  # in the current format, whatever version wrote it
-        self.objective.load_state_dict(self.state.state_dict())
+        self.objective.load_state_dict(self.state.state_dict())  # its fields of the run's progress
         if self.ctx.is_main and "config" in saved:  # the model file it was trained from, edited since?
             warn_if_changed(config_from_dict(saved["config"], str(path)).model, path)
         if self.ema and saved.get("ema") is None:  # the run had no EMA so far: average from here on
