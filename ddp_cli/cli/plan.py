@@ -69,6 +69,19 @@ def mixing(aug: AugmentConfig) -> list[str]:
     return [f"{' / '.join(kinds)}, mix_prob {aug.mix_prob:g}{switch} (on the device, per batch)"]
 
 
+def recipe(cfg: RunConfig) -> dict[str, Any]:
+    """Which elements of the fast recipe this run has on (docs/recipes.md), each by its key's value."""
+    data = cfg.data
+    return {
+        "blurpool": cfg.model.blurpool,
+        "zero_init_residual": cfg.model.zero_init_residual,
+        "label_smoothing": cfg.optim.label_smoothing,
+        "progressive_resizing": data.train_size(0) < data.image_size,
+        "test_above_train_size": (data.val_image_size or data.image_size) > data.image_size,
+        "ema": cfg.train.ema_decay > 0,
+    }
+
+
 def semi_plan(run: Preflight) -> dict[str, Any]:
     """[semi] as the run will use it: the split's images kept labelled, the unlabelled stream, FixMatch's
     settings and its two views."""
@@ -154,6 +167,7 @@ def describe(run: Preflight) -> dict[str, Any]:
         "channels_last": cfg.model.channels_last,
         "compile": cfg.train.compile,
         "ema_decay": cfg.train.ema_decay,
+        "recipe": recipe(cfg),
         **({"semi": semi_plan(run)} if cfg.semi.on() or cfg.semi.labels_per_class else {}),
         "resume": run.resume,
         **reduce,

@@ -29,6 +29,7 @@ from ddp_cli.errors import ConfigError, DataError, did_you_mean
 from ddp_cli.io import is_checkpoint, load_plain
 from ddp_cli.models.timm_model import PRETRAINED, build_pretrained, cached_weights, import_timm, is_timm_model
 from ddp_cli.models.timm_model import build as timm_builder
+from ddp_cli.models.tweaks import add_blurpool, zero_init_residual
 from ddp_cli.models.user_model import call, factory, is_user_model
 
 TINY = "resnet_tiny"
@@ -169,9 +170,20 @@ def check_kwargs(cfg: ModelConfig, image_size: int) -> None:
 
 
 def build_model(cfg: ModelConfig, num_classes: int, image_size: int = 224) -> nn.Module:
-    """A freshly initialised model (the caller seeds the RNG identically on every rank)."""
+    """A freshly initialised model (the caller seeds the RNG identically on every rank), with the fast
+    recipe's tweaks where asked (`tweaks`: not to a model of the user's own, whose design is theirs)."""
     if is_user_model(cfg.name):
         return user_model(cfg, num_classes)
+    model = zoo_model(cfg, num_classes, image_size)
+    if cfg.zero_init_residual:
+        zero_init_residual(model)
+    if cfg.blurpool:
+        add_blurpool(model)
+    return model
+
+
+def zoo_model(cfg: ModelConfig, num_classes: int, image_size: int) -> nn.Module:
+    """torchvision's, `resnet_tiny` or timm's model, as its builder makes it."""
     if is_timm_model(cfg.name):  # create_model takes **kwargs: a wrong one is the class's TypeError
         return call(cfg.name, timm_builder(cfg.name), num_classes, cfg.kwargs)
     builder = model_builder(cfg.name)

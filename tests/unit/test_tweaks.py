@@ -1,0 +1,100 @@
+"""The fast recipe's network tweaks (`ddp_cli.models.tweaks`): BlurPool filters before every strided
+convolution past the stem, keeping every parameter; zero-initialised residual branches make each block
+the identity at the start."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+import torch
+from torch import nn
+
+from ddp_cli.config import PLAIN_BEFORE_THE_FAST_RECIPE, ModelConfig, RunConfig, config_from_dict
+from ddp_cli.models import build_model
+from ddp_cli.models.tweaks import BlurConv2d, add_blurpool, zero_init_residual
+
+
+def plain_and_tweaked(name: str, **tweaks: bool) -> tuple[nn.Module, nn.Module]:
+    """The model without the tweaks and with them (`tweaks` turning some off), from the same seed."""
+    torch.manual_seed(0)
+    plain = build_model(ModelConfig(name=name, blurpool=False, zero_init_residual=False), 10, 64)
+    torch.manual_seed(0)
+    tweaked = build_model(ModelConfig(name=name, **tweaks), 10, 64)
+    return plain, tweaked
+
+
+@pytest.mark.parametrize(("name", "strided"), [
+    ("resnet18", ["layer2.0.conv1", "layer2.0.downsample.0", "layer3.0.conv1", "layer3.0.downsample.0",
+                  "layer4.0.conv1", "layer4.0.downsample.0"]),
+    ("resnet50", ["layer2.0.conv2", "layer2.0.downsample.0", "layer3.0.conv2", "layer3.0.downsample.0",
+                  "layer4.0.conv2", "layer4.0.downsample.0"]),
+    ("resnet_tiny", ["stages.1.conv1", "stages.1.downsample.0", "stages.2.conv1", "stages.2.downsample.0"]),
+])
+def test_blurpool_takes_the_strided_convolutions_past_the_stem_and_keeps_every_parameter(name, strided):
+    plain, tweaked = plain_and_tweaked(name)
+    assert sorted(n for n, m in tweaked.named_modules() if isinstance(m, BlurConv2d)) == sorted(strided)
+    assert not isinstance(dict(tweaked.named_modules()).get("conv1"), BlurConv2d)  # torchvision's stem
+    assert list(plain.state_dict()) == list(tweaked.state_dict())  # names, and no filter in a checkpoint
+    assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in tweaked.parameters())
+    tweaked.load_state_dict(plain.state_dict())
+    x = torch.rand(2, 3, 64, 64)
+    assert not torch.allclose(plain.eval()(x), tweaked.eval()(x))  # the same weights compute otherwise
+
+
+def test_the_blur_removes_what_a_stride_would_alias():
+    """A one-pixel checkerboard, strided by 2: a plain 1x1 convolution samples only its +1 squares and
+    sees a bright flat image (aliasing); filtered first, it sees the checkerboard's mean, 0."""
+    conv = nn.Conv2d(16, 16, 1, stride=2, bias=False)
+    nn.init.dirac_(conv.weight)
+    board = (torch.arange(16).view(1, 16) + torch.arange(16).view(16, 1)) % 2 * -2.0 + 1
+    x = board.expand(1, 16, 16, 16)
+    assert torch.equal(conv(x), torch.ones(1, 16, 8, 8))
+    inner = BlurConv2d.replacing(conv)(x)[..., 1:-1, 1:-1]  # the border sees the zero padding
+    assert inner.abs().max() < 1e-6
+
+
+def test_blurpool_computes_in_the_inputs_dtype_and_memory_format():
+    conv = BlurConv2d.replacing(nn.Conv2d(16, 8, 3, stride=2, padding=1))
+    x = torch.rand(2, 16, 8, 8).to(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert conv(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet_tiny"])
+def test_zero_init_makes_every_block_without_a_projection_its_identity(name):
+    _, model = plain_and_tweaked(name, blurpool=False)
+    blocks = [m for m in model.modules() if type(m).__name__ in ("BasicBlock", "Bottleneck")]
+    identities = [m for m in blocks if m.downsample is None]
+    assert identities and zero_init_residual(model) == len(blocks)
+    for block in identities:
+        channels = block.conv1.in_channels
+        x = torch.rand(2, channels, 8, 8)  # what a block receives: after a ReLU, non-negative
+        assert torch.equal(block.train()(x), x)
+
+
+def test_off_builds_the_plain_network():
+    plain, _ = plain_and_tweaked("resnet18")
+    assert add_blurpool(plain) == 6  # nothing was blurred before
+    torch.manual_seed(0)
+    again = build_model(ModelConfig(name="resnet18", blurpool=False, zero_init_residual=False), 10, 64)
+    assert all(p.abs().sum() > 0 for n, p in again.named_parameters() if n.endswith("bn2.weight"))
+
+
+def test_timm_blocks_zero_their_last_norm_and_blur_like_torchvisions():
+    pytest.importorskip("timm")
+    _, model = plain_and_tweaked("timm/resnet18")
+    assert any(isinstance(m, BlurConv2d) for m in model.modules())
+    assert all(not m.bn2.weight.any() for m in model.modules() if hasattr(m, "zero_init_last"))
+
+
+def test_a_config_written_in_full_before_the_recipe_keeps_the_network_it_trained():
+    """A run dir's config.toml from before (every key written, none of the recipe's) resumes, validates
+    and exports the plain network; a hand-written config gets the recipe."""
+    written = tomllib.loads(RunConfig().to_toml())
+    for key in PLAIN_BEFORE_THE_FAST_RECIPE:
+        del written["model"][key]
+    old = config_from_dict(written)
+    assert (old.model.blurpool, old.model.zero_init_residual) == (False, False)
+    assert config_from_dict(tomllib.loads(RunConfig().to_toml())).model.blurpool is True  # written now
+    assert config_from_dict({"model": {"name": "resnet18", "channels_last": True}}).model.blurpool is True
