@@ -47,15 +47,6 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def takes_any_size(model: str) -> bool:
-    """torchvision's convolutional networks and resnet_tiny: a model FixRes may test at a larger size
-    than it trained at (not a ViT or MaxViT, fixed to one size; not timm's or a user's own, unknown)."""
-    return not (is_user_model(model) or is_timm_model(model) or model.startswith(("vit_", "maxvit_")))
-
-
-FIXRES_RATIO = 1.25  # the val crop over the train crop when data.val_image_size is unset (docs/recipes.md)
-
-
 class DataConfig(Section):
     dataset: str = Field("demo", description="Name of a data set in the registry (data.toml).")
     classes: int | list[str] | None = Field(
@@ -109,13 +100,9 @@ class DataConfig(Section):
         0.2, gt=0, description="Remote (S3) roots: the first wait before a retry, in seconds.",
     )
     val_image_size: int | None = Field(
-        None, ge=8, description="Validation crop side. Unset: image_size times "
-        f"{FIXRES_RATIO} rounded to 8 px, with val_resize scaled alike (FixRes, Touvron et al. 2019: a "
-        "random-resized crop shows objects larger than the whole image does, so testing above the train "
-        "size gains accuracy; the ratio measured, docs/recipes.md) for torchvision's CNNs and "
-        "resnet_tiny; image_size for other models (ViTs take one size; a timm model's pretrained weights "
-        "bring their input size when image_size is not set). Set it to image_size to test at the train "
-        "size.",
+        None, ge=8, description="Validation crop side (unset = image_size, or with a timm model's "
+        "pretrained weights and no image_size set, their input size). Testing above the train size gains "
+        "accuracy (FixRes, Touvron et al. 2019).",
     )
     val_interpolation: Literal["bilinear", "bicubic"] | None = Field(
         None, description="Resize filter of the val resize (unset = augment.interpolation, or a timm "
@@ -498,7 +485,7 @@ class LoggingConfig(Section):
 # The keys of [model] that ddp has written in every run's config.toml and checkpoint since before the fast
 # recipe; and what the recipe's keys meant to a config without them.
 WRITTEN_IN_FULL = {"name", "channels_last", "sync_batchnorm", "new_head", "freeze", "freeze_epochs", "kwargs"}
-PLAIN_BEFORE_THE_FAST_RECIPE = {"blurpool": False, "zero_init_residual": False}  # and val at image_size
+PLAIN_BEFORE_THE_FAST_RECIPE = {"blurpool": False, "zero_init_residual": False}
 
 
 class RunConfig(Section):
@@ -525,28 +512,8 @@ class RunConfig(Section):
         had (a hand-written config names a few), which ddp writes for every run."""
         model = raw.get("model") if isinstance(raw, dict) else None
         if isinstance(model, dict) and model.keys() >= WRITTEN_IN_FULL:
-            data = raw.get("data", {})
-            raw = {**raw, "model": {**PLAIN_BEFORE_THE_FAST_RECIPE, **model},
-                   "data": {"val_image_size": data.get("image_size", DataConfig().image_size), **data}}
+            raw = {**raw, "model": {**PLAIN_BEFORE_THE_FAST_RECIPE, **model}}
         return raw
-
-    @model_validator(mode="before")
-    @classmethod
-    def _test_above_the_train_size(cls, raw: Any) -> Any:
-        """data.val_image_size unset: FixRes's, image_size x FIXRES_RATIO, and val_resize in proportion
-        (the same share of the image in the crop), for the models known to take any size. Resolved
-        here, so the config written to a run dir holds the sizes validation used."""
-        if not isinstance(raw, dict):
-            return raw
-        data, name = raw.get("data", {}), raw.get("model", {}).get("name", ModelConfig().name)
-        if not isinstance(data, dict) or "val_image_size" in data or not isinstance(name, str):
-            return raw
-        train = data.get("image_size", DataConfig().image_size)
-        resize = data.get("val_resize", DataConfig().val_resize)
-        if not (isinstance(train, int) and isinstance(resize, int)) or not takes_any_size(name):
-            return raw  # a field's own error says what is wrong; other models test at image_size
-        val = round(train * FIXRES_RATIO / 8) * 8
-        return {**raw, "data": {**data, "val_image_size": val, "val_resize": round(resize * val / train)}}
 
     @model_validator(mode="after")
     def _static_graph_alone(self) -> RunConfig:
