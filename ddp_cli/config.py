@@ -260,13 +260,13 @@ class ModelConfig(Section):
     )
     channels_last: bool = Field(False, description="NHWC memory format (faster convs on CPU/GPU).")
     blurpool: bool = Field(
-        True, description="Anti-aliased downsampling (BlurPool, as FFCV's ResNets): every strided "
+        False, description="Anti-aliased downsampling (BlurPool, as FFCV's ResNets): every strided "
         "convolution past the stem low-pass filters its input first. torchvision's and timm's models and "
         "resnet_tiny, not a model of your own; the same parameters, so weights load either way, but keep it "
         "as the weights were trained.",
     )
     zero_init_residual: bool = Field(
-        True, description="Start each residual block as the identity: the last BatchNorm of its branch "
+        False, description="Start each residual block as the identity: the last BatchNorm of its branch "
         "at zero scale (torchvision's and timm's ResNet-style blocks, resnet_tiny). Only the initial "
         "weights change.",
     )
@@ -482,12 +482,6 @@ class LoggingConfig(Section):
     wandb: WandbConfig | None = Field(None, description="[logging.wandb]: also log to Weights & Biases.")
 
 
-# The keys of [model] that ddp has written in every run's config.toml and checkpoint since before the fast
-# recipe; and what the recipe's keys meant to a config without them.
-WRITTEN_IN_FULL = {"name", "channels_last", "sync_batchnorm", "new_head", "freeze", "freeze_epochs", "kwargs"}
-PLAIN_BEFORE_THE_FAST_RECIPE = {"blurpool": False, "zero_init_residual": False}
-
-
 class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name (run dir prefix).")
     seed: int = Field(0, description="Seed for weights, shuffling and augmentation.")
@@ -502,18 +496,6 @@ class RunConfig(Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     semi: SemiConfig = Field(default_factory=SemiConfig)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _written_before_the_fast_recipe(cls, raw: Any) -> Any:
-        """A config ddp wrote in full before the fast recipe (a run dir's config.toml, a checkpoint's)
-        lacks the recipe's keys: it trained without them, so they read as off, and the run resumes,
-        validates and exports as it was trained. Written in full = every key its model section always
-        had (a hand-written config names a few), which ddp writes for every run."""
-        model = raw.get("model") if isinstance(raw, dict) else None
-        if isinstance(model, dict) and model.keys() >= WRITTEN_IN_FULL:
-            raw = {**raw, "model": {**PLAIN_BEFORE_THE_FAST_RECIPE, **model}}
-        return raw
 
     @model_validator(mode="after")
     def _static_graph_alone(self) -> RunConfig:

@@ -4,23 +4,23 @@ the identity at the start."""
 
 from __future__ import annotations
 
-import tomllib
-
 import pytest
 import torch
 from torch import nn
 
-from ddp_cli.config import PLAIN_BEFORE_THE_FAST_RECIPE, ModelConfig, RunConfig, config_from_dict
+from ddp_cli.config import ModelConfig
 from ddp_cli.models import build_model
 from ddp_cli.models.tweaks import BlurConv2d, add_blurpool, zero_init_residual
 
 
-def plain_and_tweaked(name: str, **tweaks: bool) -> tuple[nn.Module, nn.Module]:
-    """The model without the tweaks and with them (`tweaks` turning some off), from the same seed."""
+def plain_and_tweaked(name: str, blurpool: bool = True, zero_init_residual: bool = True
+                      ) -> tuple[nn.Module, nn.Module]:
+    """The model as built by default (both off) and with the tweaks asked for, from the same seed."""
     torch.manual_seed(0)
-    plain = build_model(ModelConfig(name=name, blurpool=False, zero_init_residual=False), 10, 64)
+    plain = build_model(ModelConfig(name=name), 10, 64)
     torch.manual_seed(0)
-    tweaked = build_model(ModelConfig(name=name, **tweaks), 10, 64)
+    tweaked = build_model(ModelConfig(name=name, blurpool=blurpool, zero_init_residual=zero_init_residual),
+                          10, 64)
     return plain, tweaked
 
 
@@ -73,12 +73,10 @@ def test_zero_init_makes_every_block_without_a_projection_its_identity(name):
         assert torch.equal(block.train()(x), x)
 
 
-def test_off_builds_the_plain_network():
+def test_off_by_default_builds_the_plain_network():
     plain, _ = plain_and_tweaked("resnet18")
+    assert all(p.all() for n, p in plain.named_parameters() if n.endswith("bn2.weight"))
     assert add_blurpool(plain) == 6  # nothing was blurred before
-    torch.manual_seed(0)
-    again = build_model(ModelConfig(name="resnet18", blurpool=False, zero_init_residual=False), 10, 64)
-    assert all(p.abs().sum() > 0 for n, p in again.named_parameters() if n.endswith("bn2.weight"))
 
 
 def test_timm_blocks_zero_their_last_norm_and_blur_like_torchvisions():
@@ -88,13 +86,16 @@ def test_timm_blocks_zero_their_last_norm_and_blur_like_torchvisions():
     assert all(not m.bn2.weight.any() for m in model.modules() if hasattr(m, "zero_init_last"))
 
 
-def test_a_config_written_in_full_before_the_recipe_keeps_the_network_it_trained():
-    """A run dir's config.toml from before (every key written, none of the recipe's) resumes, validates
-    and exports the plain network; a hand-written config gets the recipe."""
-    written = tomllib.loads(RunConfig().to_toml())
-    for key in PLAIN_BEFORE_THE_FAST_RECIPE:
-        del written["model"][key]
-    old = config_from_dict(written)
-    assert (old.model.blurpool, old.model.zero_init_residual) == (False, False)
-    assert config_from_dict(tomllib.loads(RunConfig().to_toml())).model.blurpool is True  # written now
-    assert config_from_dict({"model": {"name": "resnet18", "channels_last": True}}).model.blurpool is True
+
+def test_the_dry_run_plan_says_which_elements_of_the_recipe_are_on():
+    from ddp_cli.cli.plan import recipe
+    from ddp_cli.config import config_from_dict
+
+    assert recipe(config_from_dict({})) == {
+        "blurpool": False, "zero_init_residual": False, "label_smoothing": 0.0,
+        "progressive_resizing": False, "test_above_train_size": False, "ema": False}
+    on = config_from_dict({
+        "model": {"blurpool": True, "zero_init_residual": True}, "optim": {"label_smoothing": 0.1},
+        "data": {"image_size": 112, "min_image_size": 80, "ramp_epochs": [4, 6], "val_image_size": 144},
+        "train": {"ema_decay": 0.99}})
+    assert all(recipe(on).values())
