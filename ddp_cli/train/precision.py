@@ -21,6 +21,9 @@ from ddp_cli.errors import ConfigError
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# oneDNN's instruction sets below its first with bf16 arithmetic (AVX512_CORE_BF16)
+ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                            "AVX512_CORE_VNNI"}
 CPU_BF16_OVERRIDE = "DDP_CPU_BF16"  # "native" | "emulated": what auto takes the CPU for
 # torch's warning when a schedule steps past an optimizer step the GradScaler skipped (see grad_scaler)
 SKIPPED_STEP_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
@@ -45,7 +48,10 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def cpu_has_bf16() -> bool:
-    """What the CPU's flags say, whatever `DDP_CPU_BF16` makes of them: what a bf16 step costs here."""
+    """What the CPU's flags say, whatever `DDP_CPU_BF16` makes of them: what a bf16 step costs here. A
+    CPU whose oneDNN kernels are held below AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA`) emulates it."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_WITHOUT_BF16:
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: do not guess

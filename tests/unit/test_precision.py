@@ -84,3 +84,13 @@ def test_a_step_the_scaler_skips_does_not_warn_about_the_schedule_under_fp16(pre
             assert weight.tolist() == [1.0, 1.0]  # skipped
         scheduler.step()
     assert any("lr_scheduler.step()" in str(w.message) for w in seen) == warns
+
+
+@pytest.mark.parametrize(("isa", "expected"), [("AVX2", "fp32"), ("avx512_core", "fp32"),
+                                               ("AVX512_CORE_BF16", "bf16"), ("", "bf16")])
+def test_kernels_held_below_avx512_bf16_emulate_it_so_auto_is_fp32(monkeypatch, isa, expected):
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "flags\t\t: avx2 avx512f avx512_bf16\n"
+                        if str(self) == "/proc/cpuinfo" else real(self, *a, **k))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert precision.resolve_precision("auto", CPU) == expected
