@@ -1,14 +1,18 @@
-"""`ddp bench e2e`: wall time for the demo to reach a val top-1 target, ddp against a torchrun script.
+"""`ddp bench e2e`: wall time for a config to reach a val top-1 target, ddp against a torchrun script.
 
 Both are whole commands timed from launch, start-up included, on the same
-data set with the same model, recipe (batch per worker, LR, momentum, weight
-decay, warmup + cosine, crop scale), epochs, worker count and loader
-processes:
+data set with the same model, epochs, per-worker batch, worker count and
+loader processes:
 
 - ddp: `ddp train CONFIG` with the config as it ships (its precision and
   memory format included), time to target read from `metrics.jsonl`;
 - baseline: `e2e_baseline.py` under `torch.distributed.run`: PIL ImageFolder,
-  torchvision transforms, DistributedSampler, the DDP tutorial's loop in fp32.
+  torchvision transforms, DistributedSampler, the DDP tutorial's loop in fp32,
+  with one of two recipes (`BASELINES`): `torchrun`, ddp's own recipe (LR,
+  momentum, weight decay, warmup + cosine, crop scale) translated, so the two
+  differ only in the engine; `reference`, torchvision's classification
+  reference recipe (what a user starts from), so the two differ in engine and
+  recipe: ddp's defaults are measured against the recipe they replace.
 
 The two alternate over `rounds` so background load falls on both; each round
 gets a fresh run dir. A run that misses the target counts as its full time,
@@ -77,25 +81,50 @@ def run_ddp(config: Path, registry: Path, cfg: RunConfig, run_dir: Path, target:
             "precision": json.loads(out.strip().splitlines()[-1])["precision"]}
 
 
-def run_baseline(root: str, cfg: RunConfig, workers: int, target: float) -> dict:
-    """The torchrun script with ddp's recipe translated into its arguments."""
+BASELINES = ("torchrun", "reference")
+# torchvision's references/classification/train.py: --lr 0.1 for 256 images of global batch,
+# momentum 0.9, --wd 1e-4; its StepLR (every 30 epochs) never steps in a short run
+REFERENCE_LR_PER_256, REFERENCE_MOMENTUM, REFERENCE_WEIGHT_DECAY = 0.1, 0.9, 1e-4
+REFERENCE_MIN_CROP_SCALE = 0.08  # RandomResizedCrop's default scale
+REFERENCE_CROP_SHARE = 0.875  # val: Resize(224 / 0.875 = 256), CenterCrop(224)
+
+
+def baseline_arguments(cfg: RunConfig, workers: int, baseline: str) -> list[str]:
+    """The recipe arguments of e2e_baseline.py: ddp's recipe from `cfg` (`torchrun`) or torchvision's
+    reference recipe at `cfg`'s model, data, epochs, image size and per-worker batch (`reference`)."""
     data, optim = cfg.data, cfg.optim
-    lr = cfg.lr(workers)
+    common = ["--model", cfg.model.name, "--epochs", str(cfg.train.epochs),
+              "--batch-size", str(data.batch_size), "--workers", str(data.workers),
+              "--image-size", str(data.image_size), "--seed", str(cfg.seed),
+              *(["--hflip"] if data.hflip else [])]
+    if baseline == "torchrun":
+        return [*common, "--val-resize", str(data.val_resize), "--min-crop-scale", str(data.min_crop_scale),
+                "--lr", str(cfg.lr(workers)), "--momentum", str(optim.momentum),
+                "--weight-decay", str(optim.weight_decay),
+                "--warmup-epochs", str(cfg.schedule.warmup_epochs)]
+    if baseline == "reference":
+        lr = REFERENCE_LR_PER_256 * workers * data.batch_size / 256
+        return [*common, "--val-resize", str(round(data.image_size / REFERENCE_CROP_SHARE)),
+                "--min-crop-scale", str(REFERENCE_MIN_CROP_SCALE), "--lr", str(lr),
+                "--momentum", str(REFERENCE_MOMENTUM), "--weight-decay", str(REFERENCE_WEIGHT_DECAY),
+                "--warmup-epochs", "0", "--schedule", "constant"]
+    raise ValueError(f"baseline {baseline!r}: expected one of {', '.join(BASELINES)}")
+
+
+def run_baseline(root: str, cfg: RunConfig, workers: int, target: float, baseline: str = "torchrun") -> dict:
+    """The torchrun script with the `baseline` recipe (`baseline_arguments`)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={workers}", "-m", "ddp_cli.bench.e2e_baseline", "--root", root,
-               "--model", cfg.model.name, "--epochs", str(cfg.train.epochs),
-               "--batch-size", str(data.batch_size), "--workers", str(data.workers),
-               "--image-size", str(data.image_size), "--val-resize", str(data.val_resize),
-               "--min-crop-scale", str(data.min_crop_scale), "--lr", str(lr),
-               "--momentum", str(optim.momentum), "--weight-decay", str(optim.weight_decay),
-               "--warmup-epochs", str(cfg.schedule.warmup_epochs), "--seed", str(cfg.seed),
-               *(["--hflip"] if data.hflip else [])]
+               *baseline_arguments(cfg, workers, baseline)]
     started, out = run_timed(command)
     curve = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {**outcome("baseline", started, curve, target), "precision": "fp32"}
 
 
-def bench_e2e(config: Path, registry: str | None, target: float, rounds: int, epochs: int | None) -> dict:
+def bench_e2e(config: Path, registry: str | None, target: float, rounds: int, epochs: int | None,
+              baseline: str = "torchrun") -> dict:
+    """Race `ddp train config` against the `baseline` script over `rounds`; `epochs` overrides the
+    config's on both sides."""
     overrides = [f"train.epochs={epochs}"] if epochs else []
     cfg = load_config(config, overrides)
     registry_path = find_registry(registry)
@@ -110,13 +139,14 @@ def bench_e2e(config: Path, registry: str | None, target: float, rounds: int, ep
         for r in range(rounds):
             for name in ("ddp", "baseline") if r % 2 == 0 else ("baseline", "ddp"):
                 row = (run_ddp(config, registry_path, cfg, Path(tmp) / f"ddp-{r}", target)
-                       if name == "ddp" else run_baseline(root, cfg, workers, target))
+                       if name == "ddp" else run_baseline(root, cfg, workers, target, baseline))
                 rows.append({"round": r + 1, **row})
     medians = {name: median(row["to_target_s"] for row in rows if row["pipeline"] == name)
                for name in ("ddp", "baseline")}
     return {
         "bench": "e2e",
         "config": str(config),
+        "baseline": baseline,
         "dataset": entry.name,
         "target_top1": target,
         "epochs": cfg.train.epochs,

@@ -4,8 +4,10 @@
 --root DEMO_ROOT ...`: torchvision's ImageFolder over the Kaggle layout's
 train folders and a small CSV dataset for val (PIL decode, torchvision
 transforms, float tensors), DistributedSampler, `DistributedDataParallel(model)`
-with its defaults, SGD with momentum and a warmup + cosine schedule, fp32 NCHW,
-and the PyTorch DDP tutorial's loop. Deliberately independent of ddp's engine;
+with its defaults, SGD with momentum and a warmup + cosine schedule
+(`--schedule constant`: the LR as given throughout, as torchvision's reference
+recipe has it until its StepLR first steps at epoch 30), fp32 NCHW, and the
+PyTorch DDP tutorial's loop. Deliberately independent of ddp's engine;
 only the model comes from ddp, so both train the same network. Rank 0 prints
 one JSON line per epoch (`epoch`, `top1`, `time` = unix seconds).
 """
@@ -55,7 +57,8 @@ class ValCsv(Dataset):
             return self.transform(img.convert("RGB")), label
 
 
-def arguments() -> argparse.Namespace:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (`argv`, else sys.argv's): the data, the model and the recipe."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, required=True)
     p.add_argument("--model", default="resnet_tiny")
@@ -70,8 +73,9 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--warmup-epochs", type=float, default=0)
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def main() -> None:
@@ -101,6 +105,8 @@ def main() -> None:
     def lr_factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if args.schedule == "constant":
+            return 1.0
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)

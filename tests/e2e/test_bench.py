@@ -106,7 +106,9 @@ def test_e2e_outcome_is_the_first_epoch_at_the_target_or_the_whole_run():
 
 
 def test_e2e_baseline_script_trains_under_torchrun_and_reports_each_epoch(tmp_path):
-    """The hand-written baseline, on a tiny Kaggle-layout set, with the demo's recipe."""
+    """The hand-written baseline, on a tiny Kaggle-layout set, with torchvision's reference recipe (its
+    constant LR; the demo's own recipe, the other baseline, differs only in the arguments
+    tests/unit/test_bench_e2e.py checks)."""
     from conftest import REPO
     from synthetic import make_imagenet_loc
 
@@ -115,7 +117,7 @@ def test_e2e_baseline_script_trains_under_torchrun_and_reports_each_epoch(tmp_pa
 
     make_imagenet_loc(tmp_path, classes=3, train_per_class=8, val=7, size=32)
     cfg = load_config(REPO / "configs/demo.toml", ["train.epochs=2", "data.batch_size=4", "data.workers=0"])
-    out = run_baseline(str(tmp_path), cfg, 2, target=0.0)
+    out = run_baseline(str(tmp_path), cfg, 2, target=0.0, baseline="reference")
     assert out["pipeline"] == "baseline" and out["precision"] == "fp32"
     assert out["reached"] and out["at_epoch"] == 1
     assert 0 < out["to_target_s"] <= out["total_s"] and 0 <= out["final_top1"] <= 1
