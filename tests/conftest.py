@@ -87,6 +87,17 @@ def val_split_of(registry: Path, crop: int, resize: int, name: str = "demo"):
     return torch.cat(images), torch.cat(labels), index.classes
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_compile_cache(tmp_path_factory):
+    """torch.compile's kernels cached in this session's own folder, which every process it starts
+    inherits: the machine's shared cache (/tmp/torchinductor_<user>) once served a compiled bf16 step a
+    kernel that crashed it (SIGSEGV), after `make test-cpu-kinds` had run the suite under other CPU
+    settings; with a fresh folder the same test passed. A test run neither reads nor leaves one."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory) -> Path:
     from ddp_cli.data.sources.demo import ensure_demo
