@@ -60,13 +60,19 @@ def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int =
         image_id = f"ILSVRC2012_val_{i + 1:08d}"
         save(root / f"ILSVRC/Data/CLS-LOC/val/{image_id}.JPEG")
         rows.append(f"{image_id},{synsets[i % classes]} 0 0 10 10")
+    return write_loc_lists(root, listing, rows, "jpegs",
+                           "ImageNet-sized synthetic JPEGs (benchmarks/make_jpegs.py)")
+
+
+def write_loc_lists(root: Path, listing: list[str], val_rows: list[str], name: str, description: str) -> Path:
+    """The Kaggle layout's lists of images written (train by folder, val with its labels) and a data.toml
+    naming `root` as data set `name`: its path."""
     (root / "ILSVRC/ImageSets/CLS-LOC/train_cls.txt").write_text("\n".join(listing) + "\n")
     (root / "LOC_train_solution.csv").write_text("ImageId,PredictionString\n")
-    (root / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+    (root / "LOC_val_solution.csv").write_text("\n".join(val_rows) + "\n")
     registry = root / "data.toml"
     registry.write_text(tomli_w.dumps({"data_config_version": 1, "datasets": [{
-        "name": "jpegs", "layout": "imagenet-loc",
-        "description": "ImageNet-sized synthetic JPEGs (benchmarks/make_jpegs.py)",
+        "name": name, "layout": "imagenet-loc", "description": description,
         "storage": {"driver": "FileSystem", "path": "."}}]}))
     return registry
 

@@ -23,7 +23,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
-import tomli_w
+from make_jpegs import write_loc_lists  # this folder's benchmarks/make_jpegs.py
 from PIL import Image, ImageEnhance
 
 # (class name, package, path inside it): colour photographs, none of them synthetic
@@ -94,15 +94,8 @@ def make_dataset(root: Path, side: int = 112, train_per_class: int = 300, val_pe
             image_id = f"ILSVRC2012_val_{len(val_rows):08d}"
             crop(rng, img, split, img.width, side).save(val_dir / f"{image_id}.JPEG", quality=QUALITY)
             val_rows.append(f"{image_id},{synset} 0 0 {side - 1} {side - 1}")
-    (root / "ILSVRC/ImageSets/CLS-LOC/train_cls.txt").write_text("\n".join(listing) + "\n")
-    (root / "LOC_train_solution.csv").write_text("ImageId,PredictionString\n")
-    (root / "LOC_val_solution.csv").write_text("\n".join(val_rows) + "\n")
-    registry = root / "data.toml"
-    registry.write_text(tomli_w.dumps({"data_config_version": 1, "datasets": [{
-        "name": "photos", "layout": "imagenet-loc",
-        "description": f"crops of 10 sample photos, {side} px (benchmarks/make_photo_crops.py)",
-        "storage": {"driver": "FileSystem", "path": "."}}]}))
-    return registry
+    return write_loc_lists(root, listing, val_rows, "photos",
+                           f"crops of 10 sample photos, {side} px (benchmarks/make_photo_crops.py)")
 
 
 def main() -> None:

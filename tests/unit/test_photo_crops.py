@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +15,9 @@ import pytest
 from ddp_cli.registry import load_registry
 
 pytest.importorskip("skimage")
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks/make_photo_crops.py"
-spec = importlib.util.spec_from_file_location("make_photo_crops", SCRIPT)
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # as when run: it imports make_jpegs beside it
+spec = importlib.util.spec_from_file_location("make_photo_crops", BENCHMARKS / "make_photo_crops.py")
 photos = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(photos)
 
