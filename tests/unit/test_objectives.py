@@ -82,7 +82,8 @@ def test_mixing_trains_on_the_step_s_mix_against_its_mixed_labels():
     x = to_model_input(batch.images, CPU, cfg.model.channels_last, normalising(cfg.data))
     for step in (3, 4):
         mix = BatchMixing(cfg.augment, cfg.seed).draw(step, x)
-        expected = F.cross_entropy(model(mix.images(x)), mix.targets(batch.labels, CLASSES))
+        expected = F.cross_entropy(model(mix.images(x)), mix.targets(batch.labels, CLASSES),
+                                   label_smoothing=cfg.optim.label_smoothing)
         assert torch.equal(objective.loss(model, (batch,), step)[0], expected)
     assert not torch.equal(objective.loss(model, (batch,), 3)[0], objective.loss(model, (batch,), 4)[0])
 

@@ -92,7 +92,7 @@ def test_the_dry_run_plan_says_which_elements_of_the_recipe_are_on():
     from ddp_cli.config import config_from_dict
 
     assert recipe(config_from_dict({})) == {
-        "blurpool": False, "zero_init_residual": False, "label_smoothing": 0.0,
+        "blurpool": False, "zero_init_residual": False, "label_smoothing": 0.1,
         "progressive_resizing": False, "test_above_train_size": False, "ema": False}
     on = config_from_dict({
         "model": {"blurpool": True, "zero_init_residual": True}, "optim": {"label_smoothing": 0.1},
