@@ -290,3 +290,12 @@ def test_more_problems_than_the_first_are_counted():
         config_from_dict({"seed": "x", "deterministic": "maybe"})
     with pytest.raises(ConfigError, match=r"^config: seed: .* \(and 2 more problems\)$"):
         config_from_dict({"seed": "x", "deterministic": "maybe", "data": {"batch_size": 0}})
+
+
+def test_a_run_dirs_config_keeps_the_label_smoothing_it_trained_with_when_the_default_changes():
+    """config.toml is written in full: a run from before the 0.1 default (its 0.0 written out) resumes
+    with 0.0; a config that leaves the key out gets the default."""
+    written = tomllib.loads(config_from_dict({"optim": {"label_smoothing": 0.0}}).to_toml())
+    assert written["optim"]["label_smoothing"] == 0.0
+    assert config_from_dict(written).optim.label_smoothing == 0.0
+    assert config_from_dict({}).optim.label_smoothing == 0.1
