@@ -28,6 +28,8 @@ from ddp_cli.data.pipeline.semi import check_unlabelled, semi_splits
 from ddp_cli.data.pipeline.sharedmem import check_shared_memory
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.data.sources.unlabeled import UNLABELED
+from ddp_cli.distributed.faults import VARIABLE as FAULTS
+from ddp_cli.distributed.faults import parse_faults
 from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.index_build import IndexBuild
@@ -105,6 +107,7 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     (begun before torch was imported where it could be); `startup` times the phases."""
     startup = startup or StartupClock()
     resume = checked_resume(resume)
+    parse_faults(os.environ.get(FAULTS, ""))  # the workers read it: a bad one fails here, not in each
     check_optimizer(cfg.optim)
     check_sync_batchnorm(cfg.model, workers.device)
     check_sinks(cfg.logging)

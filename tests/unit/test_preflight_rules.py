@@ -174,3 +174,13 @@ def test_gpus_torch_cannot_use_refuse_any_backend_but_gloo(monkeypatch):
         preflight.place_workers(RunConfig().resolved(fp32), 1, 1)
     gloo = RunConfig().resolved({**fp32, "distributed.backend": "gloo"})
     assert preflight.place_workers(gloo, 1, 1).device == "cpu"
+
+
+def test_an_unreadable_ddp_faults_stops_preflight_not_each_worker(loader_rule, monkeypatch):
+    cfg = RunConfig().resolved({"model.name": "resnet_tiny", "data.image_size": 32, "data.batch_size": 10})
+    build = SimpleNamespace(result=lambda: fake_dataset(60))
+    monkeypatch.setenv("DDP_FAULTS", "sigterm@soon")
+    with pytest.raises(ConfigError, match="^DDP_FAULTS: cannot read 'sigterm@soon'"):
+        preflight.preflight(cfg, build, CPU_WORKERS)
+    monkeypatch.setenv("DDP_FAULTS", "sigterm@6")
+    assert preflight.preflight(cfg, build, CPU_WORKERS).resume == "never"
