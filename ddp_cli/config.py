@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from ddp_cli.errors import ConfigError, did_you_mean
+from ddp_cli.models.families import takes_any_size
 from ddp_cli.models.timm_model import (
     PRETRAINED,
     cached_weights,
@@ -47,6 +48,14 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+VAL_CROP_SHARE = 0.875  # val: the centre crop's share of the resized side (224 of 256), as torchvision's
+PROGRESSIVE_FROM = 64  # the smallest image_size progressive resizing is on for by default (docs/recipes.md)
+PROGRESSIVE_SCALE = 0.71  # the default first crop, of image_size (FFCV's 160 of 224, the issue's 80 of 112)
+PROGRESSIVE_RAMP = (0.4, 0.85)  # the default ramp, as fractions of the epochs (Composer's delay; FFCV's end)
+# keys ddp derives from others when a config leaves them unset (the val crop, the epochs, the model)
+DERIVED = ("data.val_resize", "data.progressive", "data.min_image_size", "data.ramp_epochs")
+
+
 class DataConfig(Section):
     dataset: str = Field("demo", description="Name of a data set in the registry (data.toml).")
     classes: int | list[str] | None = Field(
@@ -55,9 +64,10 @@ class DataConfig(Section):
         "(relabelled 0..k-1). Unset = every class.",
     )
     image_size: int = Field(224, ge=8, description="Side of the square training crop, pixels.")
-    val_resize: int = Field(
-        256, ge=8, description="Validation: resize the shorter side to this, then center-crop (unset "
-        "with a timm model's pretrained weights: the val crop / their crop_pct)."
+    val_resize: int | None = Field(
+        None, ge=8, description="Validation: resize the shorter side to this, then center-crop. Unset = "
+        "the val crop / 0.875, the usual centre crop (256 for 224, 128 for 112), or with a timm model's "
+        "pretrained weights the val crop / their crop_pct."
     )
     batch_size: int = Field(32, ge=1, description="Images per worker per micro-step.")
     workers: NonNegativeInt | Literal["auto"] = Field(
@@ -116,13 +126,21 @@ class DataConfig(Section):
         None, description="Normalisation std per channel (RGB, 0-1) (unset = ImageNet's, or a timm "
         "model's pretrained weights' own).",
     )
+    progressive: bool = Field(
+        True, description="Progressive resizing (FFCV, Composer): the first epochs train on a smaller "
+        "crop, raised to image_size by the end. On by default for torchvision's CNNs and resnet_tiny at "
+        "image_size >= 64 and without FixMatch: min_image_size and ramp_epochs then default to ~0.7 x "
+        "image_size and the ramp over the run's 40-85% (docs: recipes, \"The default recipe\"); false = "
+        "every epoch at image_size.",
+    )
     min_image_size: int | None = Field(
-        None, ge=8, description="Progressive resizing: the train crop of the first epochs (unset = "
-        "off), raised to image_size over ramp_epochs in steps of 32 px (FFCV's rule).",
+        None, ge=8, description="Progressive resizing: the train crop of the first epochs, raised to "
+        "image_size over ramp_epochs in steps of 32 px (FFCV's rule). Unset = 0.7 x image_size to the "
+        "nearest 16 px where data.progressive is on by default, else no progressive resizing.",
     )
     ramp_epochs: list[float] = Field(
         [0, 0], description="Progressive resizing: [start, end] epochs of the ramp from "
-        "min_image_size to image_size.",
+        "min_image_size to image_size (unset with min_image_size unset: 40% and 85% of train.epochs).",
     )
 
     @field_validator("ramp_epochs")
@@ -131,6 +149,23 @@ class DataConfig(Section):
         if len(value) != 2 or not 0 <= value[0] <= value[1] < math.inf:
             raise ValueError("expected [start, end] with 0 <= start <= end")  # and finite
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _val_resize_from_crop(cls, raw: Any) -> Any:
+        """Unset val_resize: the val crop over VAL_CROP_SHARE, so a 112 px crop is taken from 128 px."""
+        if isinstance(raw, dict) and raw.get("val_resize") is None:
+            crop = raw.get("val_image_size") or raw.get("image_size", 224)
+            if isinstance(crop, int) and not isinstance(crop, bool):
+                return {**raw, "val_resize": round(crop / VAL_CROP_SHARE)}
+        return raw
+
+    @model_validator(mode="after")
+    def _progressive_off_alone(self) -> DataConfig:
+        if not self.progressive and self.min_image_size is not None:
+            raise ValueError("min_image_size is set while progressive = false (progressive resizing off): "
+                             "unset data.min_image_size, or set data.progressive = true")
+        return self
 
     @model_validator(mode="after")
     def _min_below_final(self) -> DataConfig:
@@ -258,7 +293,8 @@ class ModelConfig(Section):
         "the weights' hub revision and the data keys they set, recorded in the run dir's config.toml "
         "and every checkpoint so that validate, predict and export rebuild it.",
     )
-    channels_last: bool = Field(False, description="NHWC memory format (faster convs on CPU/GPU).")
+    channels_last: bool = Field(True, description="NHWC memory format: faster convolutions on CPU and GPU "
+                                "(BENCHMARKS.md, \"Step\"); false = NCHW.")
     blurpool: bool = Field(
         False, description="Anti-aliased downsampling (BlurPool, as FFCV's ResNets): every strided "
         "convolution past the stem low-pass filters its input first. torchvision's and timm's models and "
@@ -387,7 +423,7 @@ class TrainConfig(Section):
     epochs: int = Field(90, ge=1, le=MAX_EPOCHS, description="Passes over the training split (at most a "
                         "million: the plan and the schedule walk them).")
     precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
-        "fp32", description="Autocast precision; fp16 uses a GradScaler and needs CUDA; auto = bf16 "
+        "auto", description="Autocast precision; fp16 uses a GradScaler and needs CUDA; auto = bf16 "
         "where the device computes it natively (CUDA 8.0+, CPUs with AVX-512 BF16 or AMX), else fp32."
     )
     grad_accum: int = Field(1, ge=1, description="Micro-steps per optimisation step.")
@@ -501,6 +537,26 @@ class RunConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     semi: SemiConfig = Field(default_factory=SemiConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _progressive_by_default(cls, raw: Any) -> Any:
+        """The default recipe's progressive resizing made concrete (min_image_size, ramp_epochs) where the
+        config leaves it to ddp, so that the run dir's config.toml says what the run does."""
+        if not isinstance(raw, dict):
+            return raw
+        data = given_keys(raw.get("data", {}))
+        if data is None or data.get("min_image_size") is not None or data.get("progressive") is False:
+            return raw
+        start = default_min_image_size(data, given_keys(raw.get("model", {})) or {},
+                                       given_keys(raw.get("semi", {})) or {})
+        epochs = (given_keys(raw.get("train", {})) or {}).get("epochs", TrainConfig().epochs)
+        ramp = data.get("ramp_epochs")
+        if "ramp_epochs" not in data and isinstance(epochs, int):
+            ramp = [round(epochs * share, 2) for share in PROGRESSIVE_RAMP]
+        if start is None or not isinstance(ramp, list) or not ramp or ramp[-1] == 0:  # a ramp ending at 0
+            return {**raw, "data": {**data, "progressive": bool(data.get("progressive", False))}}
+        return {**raw, "data": {**data, "progressive": True, "min_image_size": start, "ramp_epochs": ramp}}
+
     @model_validator(mode="after")
     def _static_graph_alone(self) -> RunConfig:
         if self.distributed.static_graph and self.train.grad_accum > 1:
@@ -538,8 +594,12 @@ class RunConfig(Section):
 
     def resolved(self, changes: dict[str, Any], source: str = "resolved config") -> RunConfig:
         """A validated copy with dotted keys changed (`{"data.workers": 3}`): how preflight and the
-        commands make "auto" concrete or apply a flag, the config itself being frozen."""
+        commands make "auto" concrete or apply a flag, the config itself being frozen. Keys that hold
+        what ddp derived from others (`DERIVED`) are derived again from the changed ones."""
         raw = self.model_dump(mode="json")
+        for key in self.derived_keys():
+            section, leaf = key.split(".")
+            del raw[section][leaf]
         for key, value in changes.items():
             *parents, leaf = key.split(".")
             node = raw
@@ -550,6 +610,21 @@ class RunConfig(Section):
             node[leaf] = value
         return config_from_dict(raw, source)
 
+    def derived_keys(self) -> list[str]:
+        """The `DERIVED` keys whose value is the one ddp gives them when unset (given or not: the two
+        cannot be told apart, nor need to be)."""
+        raw = self.model_dump(mode="json")
+        for key in DERIVED:
+            section, leaf = key.split(".")
+            raw[section].pop(leaf, None)
+        bare = config_from_dict(raw)
+        return [key for key in DERIVED if bare.value(key) == self.value(key)]
+
+    def value(self, key: str) -> Any:
+        """A key's value by its dotted name (`data.image_size`)."""
+        section, leaf = key.split(".")
+        return getattr(getattr(self, section), leaf)
+
     def global_batch(self, world_size: int) -> int:
         """Images per optimisation step: every worker's batch, times the micro-steps accumulated."""
         return world_size * self.data.batch_size * self.train.grad_accum
@@ -558,6 +633,28 @@ class RunConfig(Section):
         """The learning rate at this world size: `optim.lr`, else `optim.lr_per_256` scaled linearly
         by the global batch."""
         return self.optim.effective_lr(self.global_batch(world_size))
+
+
+def given_keys(section: Any) -> dict[str, Any] | None:
+    """A config section's keys as given: a TOML table's, or a section object's explicitly set fields;
+    None for anything else (left for validation to refuse)."""
+    if isinstance(section, BaseModel):
+        return {key: getattr(section, key) for key in section.model_fields_set}
+    return section if isinstance(section, dict) else None
+
+
+def default_min_image_size(data: dict[str, Any], model: dict[str, Any], semi: dict[str, Any]) -> int | None:
+    """The first crop of progressive resizing when min_image_size is unset: PROGRESSIVE_SCALE x image_size
+    to the nearest 16 px. Unless data.progressive = true is given, None where the default leaves it off:
+    image_size under PROGRESSIVE_FROM (a small image's step is mostly overhead: docs/recipes.md), a model
+    that may not take other sizes, FixMatch (its unlabelled views keep one size)."""
+    size, name = data.get("image_size", DataConfig().image_size), model.get("name", ModelConfig().name)
+    if not isinstance(size, int) or not isinstance(name, str):
+        return None  # for validation to refuse
+    off_by_default = (size < PROGRESSIVE_FROM or not takes_any_size(name)
+                      or semi.get("method", "none") != "none")
+    start = max(16, round(size * PROGRESSIVE_SCALE / 16) * 16)
+    return None if start >= size or (off_by_default and data.get("progressive") is not True) else start
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

@@ -62,12 +62,14 @@ def run_timed(command: list[str], timeout: float = TIMEOUT_S) -> tuple[float, st
 
 
 def outcome(name: str, started: float, curve: list[dict], target: float) -> dict:
-    """Time to the first epoch at `target` (or the whole run if none), from per-epoch records."""
+    """Time to the first epoch at `target` (or the whole run if none), from per-epoch records; the curve
+    as [epoch, seconds from launch, top-1] rows, to see where each recipe gains."""
     reached = next((r for r in curve if r["top1"] >= target), None)
     end = (reached or curve[-1])["time"]
     return {"pipeline": name, "to_target_s": end - started, "reached": reached is not None,
             "at_epoch": reached["epoch"] if reached else None,
-            "total_s": curve[-1]["time"] - started, "final_top1": curve[-1]["top1"]}
+            "total_s": curve[-1]["time"] - started, "final_top1": curve[-1]["top1"],
+            "curve": [[r["epoch"], round(r["time"] - started, 1), r["top1"]] for r in curve]}
 
 
 def run_ddp(config: Path, registry: Path, cfg: RunConfig, run_dir: Path, target: float) -> dict:

@@ -27,12 +27,12 @@ from torch import nn
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 from ddp_cli.io import is_checkpoint, load_plain
+from ddp_cli.models.families import TINY, fixed_size
 from ddp_cli.models.timm_model import PRETRAINED, build_pretrained, cached_weights, import_timm, is_timm_model
 from ddp_cli.models.timm_model import build as timm_builder
 from ddp_cli.models.tweaks import add_blurpool, zero_init_residual
 from ddp_cli.models.user_model import call, factory, is_user_model
 
-TINY = "resnet_tiny"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrap names this way
 # "DEFAULT", "IMAGENET1K_V2" or "ResNet50_Weights.IMAGENET1K_V2": a torchvision weight name, not a file
 WEIGHT_NAME = re.compile(r"(?:\w+_Weights\.)?[A-Z][A-Z0-9_]*")
@@ -105,10 +105,6 @@ def import_builders(name: str) -> None:
     elif name != TINY and not is_user_model(name):
         import torchvision  # noqa: F401
 
-
-def fixed_size(name: str) -> bool:
-    """ViT and MaxViT are built for one input size (position embeddings, attention windows)."""
-    return name.startswith(("vit_", "maxvit_"))
 
 
 def own_kwargs(name: str, image_size: int) -> dict:
@@ -251,9 +247,13 @@ def check_model(cfg: RunConfig, num_classes: int) -> nn.Module:
             with torch.no_grad():
                 logits = model(torch.empty(2, 3, size, size, device="meta"))
         except (RuntimeError, ValueError, AssertionError, TypeError) as e:
+            fix = ("raise data.image_size (and data.min_image_size), torchvision trains most models at "
+                   "224, inception_v3 at 299")
+            if size == cfg.data.min_image_size:  # progressive resizing's first crop, maybe by default
+                fix = ("it is data.min_image_size, progressive resizing's first crop: raise it, or set "
+                       "data.progressive = false")
             raise ConfigError(f"model.name: {cfg.model.name} cannot take {size}x{size} images "
-                              f"({first_line(e)}); raise data.image_size (and data.min_image_size), "
-                              "torchvision trains most models at 224, inception_v3 at 299") from e
+                              f"({first_line(e)}); {fix}") from e
         check_logits(logits, cfg.model.name, num_classes)
     if is_timm_pretrained(cfg.model):
         cached_weights(cfg.model.name)  # there, or exit 3; timm fits them (a fresh head where needed)

@@ -101,6 +101,7 @@ def test_e2e_outcome_is_the_first_epoch_at_the_target_or_the_whole_run():
              {"epoch": 3, "top1": 0.97, "time": 130.0}]
     hit = outcome("ddp", 100.0, curve, 0.95)
     assert (hit["to_target_s"], hit["reached"], hit["at_epoch"], hit["total_s"]) == (20.0, True, 2, 30.0)
+    assert hit["curve"] == [[1, 10.0, 0.5], [2, 20.0, 0.96], [3, 30.0, 0.97]]
     miss = outcome("ddp", 100.0, curve, 0.99)
     assert (miss["to_target_s"], miss["reached"], miss["at_epoch"]) == (30.0, False, None)
 

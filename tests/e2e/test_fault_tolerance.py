@@ -31,21 +31,27 @@ def weights(run_dir):
     return torch.load(run_dir / "checkpoints/last.pt", weights_only=True)["model"]
 
 
-# Every augmentation at once, so that a stop by SIGTERM and its resume cover what augmentation adds to
-# resuming (the sampler's repeated layout, per-copy seeds, per-step MixUp/CutMix draws): repeated
-# augmentation, the per-image policy, jitter and erasing, and MixUp/CutMix (mix_prob 1 by default; the
-# switch picks either).
-AUGMENTED = ["--set", "augment.repeated_aug=2", "--set", "augment.policy=trivialaugment",
-             "--set", "augment.color_jitter=0.3", "--set", "augment.random_erase=0.5",
-             "--set", "augment.random_erase_value=random", "--set", "augment.mixup_alpha=0.2",
-             "--set", "augment.cutmix_alpha=1.0"]
+# Every augmentation and every element of the fast recipe at once, so that a stop by SIGTERM and its
+# resume cover what they add to resuming (the sampler's repeated layout, per-copy seeds, per-step
+# MixUp/CutMix draws, the epoch's crop size, the EMA): repeated augmentation, the per-image policy, jitter
+# and erasing, MixUp/CutMix (mix_prob 1 by default; the switch picks either); progressive resizing (8 px
+# in the first epoch, the one the stop lands in), a val crop above the train crop, BlurPool, zero-init
+# residuals, the EMA and label smoothing (on by default).
+EVERYTHING = ["--set", "augment.repeated_aug=2", "--set", "augment.policy=trivialaugment",
+              "--set", "augment.color_jitter=0.3", "--set", "augment.random_erase=0.5",
+              "--set", "augment.random_erase_value=random", "--set", "augment.mixup_alpha=0.2",
+              "--set", "augment.cutmix_alpha=1.0",
+              "--set", "data.min_image_size=8", "--set", "data.ramp_epochs=[0.5, 1]",
+              "--set", "data.val_image_size=20", "--set", "data.val_resize=20",
+              "--set", "model.blurpool=true", "--set", "model.zero_init_residual=true",
+              "--set", "train.ema_decay=0.9"]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(demo_registry, tmp_path_factory):
-    """The reference: two epochs with every augmentation on, never disturbed."""
+    """The reference: two epochs with every augmentation and recipe element on, never disturbed."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    return last_json(train(demo_registry, run_dir, *AUGMENTED, "--set", "train.epochs=2")), run_dir
+    return last_json(train(demo_registry, run_dir, *EVERYTHING, "--set", "train.epochs=2")), run_dir
 
 
 def assert_bit_identical(resumed: dict, reference: dict, run_dir: Path, reference_dir: Path) -> None:
@@ -59,19 +65,19 @@ def assert_bit_identical(resumed: dict, reference: dict, run_dir: Path, referenc
 SIGTERM_AFTER_STEP_6 = {"DDP_FAULTS": "sigterm@6"}
 
 
-def test_sigterm_with_every_augmentation_on_checkpoints_then_resume_ends_bit_identical(
+def test_sigterm_with_every_augmentation_and_recipe_element_on_resumes_bit_identical(
         demo_registry, tmp_path, uninterrupted):
     reference, reference_dir = uninterrupted
     run_dir = tmp_path / "run"
     run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                  str(run_dir), *EXACT, *AUGMENTED, "--set", "train.epochs=2", env=SIGTERM_AFTER_STEP_6)
+                  str(run_dir), *EXACT, *EVERYTHING, "--set", "train.epochs=2", env=SIGTERM_AFTER_STEP_6)
     assert run.wait(timeout=120) == 143, run.stderr
     assert "stopped by SIGTERM" in run.stderr
     stopped = CheckpointStore(run_dir / "checkpoints", 1).latest_valid()
     assert stopped is not None and "step-" in stopped.name
     step = torch.load(stopped, weights_only=True)["step_in_epoch"]
     assert step == 10  # mid-epoch (of 22): the first stop agreement after the signal (stop_check_steps 10)
-    resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, "--set", "train.epochs=2"))
+    resumed = last_json(train(demo_registry, run_dir, *EVERYTHING, "--set", "train.epochs=2"))
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
 
 
@@ -90,7 +96,7 @@ def test_a_run_in_a_bucket_killed_resumes_on_an_empty_disk_from_the_bucket_alone
     fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": s3_endpoint},
                            skip_instance_cache=True)
     fs.mkdir(RUNS)
-    url, args = f"s3://{RUNS}/runs/demo", ["--set", "checkpoint.every_steps=5", *AUGMENTED,
+    url, args = f"s3://{RUNS}/runs/demo", ["--set", "checkpoint.every_steps=5", *EVERYTHING,
                                            "--set", "train.epochs=2"]
     with FaultProxy(s3_endpoint, Faults(fail_rate=0.05, methods=EVERY_METHOD, seed=1)) as proxy:
         env = {**ENV, "AWS_ENDPOINT_URL": proxy.url}
@@ -180,7 +186,7 @@ def test_a_full_disk_at_a_background_checkpoint_is_exit_6_naming_the_last_good_o
     rest = sum(p.stat().st_blocks * 512 for p in reference_dir.rglob("*")
                if p.is_file() and p.parent.name != "checkpoints")
     run_dir = small_disk(rest + checkpoint * 3 // 2 + (64 << 10)) / "run"
-    every = ["--set", "checkpoint.every_steps=5", *AUGMENTED, "--set", "train.epochs=2"]
+    every = ["--set", "checkpoint.every_steps=5", *EVERYTHING, "--set", "train.epochs=2"]
     full = train(demo_registry, run_dir, *every, "--set", "checkpoint.background=true")
     good = run_dir / "checkpoints/step-000000005.pt"
     assert full.returncode == 6, full.stderr[-3000:]
@@ -199,7 +205,7 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes(demo_registry, tmp_pa
     reference, _ = uninterrupted
     run_dir = tmp_path / "run"
     run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                  str(run_dir), *EXACT, *AUGMENTED, "--set", "train.epochs=2",
+                  str(run_dir), *EXACT, *EVERYTHING, "--set", "train.epochs=2",
                   "--set", "checkpoint.every_steps=4", "--max-restarts", "3",
                   env={"DDP_FAULTS": "sigkill@10:1"})  # rank 1 dies after step 10 (the first incarnation)
     assert run.wait(timeout=200) == 0, run.stderr

@@ -299,3 +299,14 @@ def test_a_run_dirs_config_keeps_the_label_smoothing_it_trained_with_when_the_de
     assert written["optim"]["label_smoothing"] == 0.0
     assert config_from_dict(written).optim.label_smoothing == 0.0
     assert config_from_dict({}).optim.label_smoothing == 0.1
+
+
+@pytest.mark.parametrize(("data", "resize"), [
+    ({}, 256), ({"image_size": 112}, 128), ({"image_size": 32}, 37),
+    ({"image_size": 112, "val_image_size": 144}, 165),   # the val crop's, not the train crop's
+    ({"image_size": 112, "val_resize": 112}, 112),       # given: kept
+])
+def test_the_val_resize_follows_the_val_crop_as_the_usual_centre_crop(data, resize):
+    """Unset val_resize is the val crop / 0.875: a 112 px crop from 128, not from a fixed 256 (which left
+    a small image's val crop a 44% centre patch of what training saw)."""
+    assert config_from_dict({"data": data}).data.val_resize == resize

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.io", "ddp_cli.userfiles"),
     # what a model's name points at (a user's factory, timm's architecture): read with the run config
     ("ddp_cli.models.user_model", "ddp_cli.models.timm_model"),
+    ("ddp_cli.models.families",),
     ("ddp_cli.config",),
     # data/'s rooms: bytes from storage, the listing of a data set, the input pipeline, writing shards
     ("ddp_cli.data", "ddp_cli.data.fetch"),

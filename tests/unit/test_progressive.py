@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import fsspec
 import pytest
 from synthetic import make_imagenet_loc
 
-from ddp_cli.config import DataConfig
+from ddp_cli.config import DataConfig, config_from_dict
 from ddp_cli.data.pipeline.loaders import build_loaders
 from ddp_cli.data.sources.layouts import build_index
+from ddp_cli.errors import ConfigError
 
 
 def test_ffcv_rule_for_resnet50_fast():
@@ -51,3 +54,66 @@ def test_persistent_loader_processes_crop_at_each_epochs_size(tmp_path):
         seen.append({tuple(batch.images.shape[1:3]) for batch in loaders.train})
     assert seen == [{(16, 16)}, {(16, 16)}, {(32, 32)}, {(32, 32)}]
     assert {tuple(batch.images.shape[1:3]) for batch in loaders.val} == {(24, 24)}
+
+
+def sizes_of(raw: dict) -> list[int]:
+    cfg = config_from_dict(raw)
+    return [cfg.data.train_size(e) for e in range(cfg.train.epochs)]
+
+
+def test_on_by_default_from_0_7_of_the_size_over_40_to_85_percent_of_the_epochs():
+    """The default recipe: 80 -> 112 px over 8 epochs (issue 41's measured run), 160 -> 224 over 16."""
+    cfg = config_from_dict({"data": {"image_size": 112}, "train": {"epochs": 8}})
+    assert (cfg.data.progressive, cfg.data.min_image_size, cfg.data.ramp_epochs) == (True, 80, [3.2, 6.8])
+    assert sizes_of({"data": {"image_size": 112}, "train": {"epochs": 8}}) == [80] * 4 + [96] * 3 + [112]
+    assert sizes_of({"data": {"image_size": 224}, "train": {"epochs": 16}})[::5] == [160, 160, 192, 224]
+    assert sizes_of({"data": {"image_size": 112, "progressive": False}, "train": {"epochs": 8}}) == [112] * 8
+
+
+@pytest.mark.parametrize("raw", [
+    {"data": {"image_size": 32}},                            # a small image's step is mostly overhead
+    {"model": {"name": "vit_b_16"}},                         # built for one size
+    {"model": {"name": "timm/resnet18"}},                    # timm's and your own may be too
+    {"model": {"name": "mine.py:build"}},
+    {"semi": {"method": "fixmatch"}},                        # its unlabelled views keep one size
+    {"data": {"image_size": 112, "ramp_epochs": [0.0, 0.0]}},  # a ramp over before it starts
+])
+def test_off_by_default_where_it_cannot_pay_or_cannot_run(raw):
+    cfg = config_from_dict({**raw, "train": {"epochs": 8}})
+    assert not cfg.data.progressive and cfg.data.min_image_size is None
+    assert set(sizes_of({**raw, "train": {"epochs": 8}})) == {cfg.data.image_size}
+
+
+def test_asked_for_it_runs_below_64_px_too_and_off_it_refuses_a_first_size():
+    asked = {"data": {"image_size": 32, "progressive": True}, "train": {"epochs": 4}}
+    assert sizes_of(asked) == [16, 16, 32, 32]
+    with pytest.raises(ConfigError, match="data: min_image_size is set while progressive = false"):
+        config_from_dict({"data": {"progressive": False, "min_image_size": 160}})
+
+
+def test_the_run_dirs_config_toml_holds_the_sizes_and_an_old_one_resumes_without_them():
+    """config.toml says what the run does (the sizes written out, not left to a default that may change);
+    one written before progressive resizing was a default (no data.progressive, its ramp_epochs [0, 0]
+    written in full) resumes as it trained: every epoch at image_size."""
+    cfg = config_from_dict({"data": {"image_size": 112}, "train": {"epochs": 8}})
+    written = tomllib.loads(cfg.to_toml())["data"]
+    keys = ("progressive", "min_image_size", "ramp_epochs")
+    assert [written[key] for key in keys] == [True, 80, [3.2, 6.8]]
+    assert config_from_dict(tomllib.loads(cfg.to_toml())) == cfg
+    old = tomllib.loads(cfg.to_toml())
+    del old["data"]["progressive"], old["data"]["min_image_size"]
+    old["data"]["ramp_epochs"] = [0.0, 0.0]
+    assert set(sizes_of(old)) == {112}
+
+
+def test_a_resolved_change_derives_the_sizes_again_but_keeps_those_given():
+    """Preflight's and the commands' `resolved`: the sizes ddp derived follow a changed image_size or
+    epochs (not the stale 160 px of a 224 px default, above a 112 px crop); given ones stay."""
+    cfg = config_from_dict({"train": {"epochs": 8}}).resolved({"data.image_size": 112})
+    assert (cfg.data.min_image_size, cfg.data.ramp_epochs, cfg.data.val_resize) == (80, [3.2, 6.8], 128)
+    given = config_from_dict({"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [1, 2],
+                                       "val_resize": 112}})
+    again = given.resolved({"train.epochs": 20})
+    assert (again.data.min_image_size, again.data.ramp_epochs, again.data.val_resize) == (64, [1, 2], 112)
+    small = config_from_dict({}).resolved({"data.image_size": 32})
+    assert not small.data.progressive and small.data.min_image_size is None
