@@ -2,7 +2,8 @@
 
     python benchmarks/make_jpegs.py /tmp/jpegs --classes 10 --per-class 40 --val 100
 
-Sides are drawn from 300-500 px, like ImageNet's typical images; the content is
+Sides are drawn from 300-500 px, like ImageNet's typical images (or all one
+size, `--size 500x375`, ImageNet's most common); the content is
 1/f ("pink") noise with correlated colour channels, whose spectrum is close to a
 photograph's, so at quality 90 the files come out at 60-140 KB (ImageNet's
 average is about 110 KB) and decode at photo-like cost. Deterministic (seeded).
@@ -36,8 +37,10 @@ def photo_like(rng: np.random.Generator, width: int, height: int) -> Image.Image
     return Image.fromarray(np.clip(x, 0, 255).astype(np.uint8), "RGB")
 
 
-def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int = 0) -> Path:
-    """Write the images, the LOC metadata and `root/data.toml` (data set name: `jpegs`)."""
+def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int = 0,
+                 size: tuple[int, int] | None = None) -> Path:
+    """Write the images (each `size` = (width, height), else drawn), the LOC metadata and `root/data.toml`
+    (data set name: `jpegs`)."""
     rng = np.random.default_rng(seed)
     synsets = [f"n{2000000 + c:08d}" for c in range(classes)]
     (root / "ILSVRC/ImageSets/CLS-LOC").mkdir(parents=True, exist_ok=True)
@@ -46,7 +49,7 @@ def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int =
 
     def save(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        width, height = rng.integers(300, 501, size=2)
+        width, height = size or rng.integers(300, 501, size=2)
         photo_like(rng, int(width), int(height)).save(path, "JPEG", quality=90)
 
     listing = []
@@ -83,8 +86,10 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--per-class", type=int, default=40)
     parser.add_argument("--val", type=int, default=100)
+    parser.add_argument("--size", metavar="WxH", help="every image this size (default: sides of 300-500 px)")
     args = parser.parse_args()
-    registry = make_dataset(args.root, args.classes, args.per_class, args.val)
+    size = tuple(int(side) for side in args.size.split("x")) if args.size else None
+    registry = make_dataset(args.root, args.classes, args.per_class, args.val, size=size)
     sizes = [p.stat().st_size for p in args.root.rglob("*.JPEG")]
     print(f"{len(sizes)} JPEGs, mean {np.mean(sizes) / 1e3:.0f} KB; registry: {registry}")
 

@@ -173,7 +173,9 @@ def augmentation(cfg: AugmentConfig) -> Augmentation | None:
     return Augmentation(cfg) if op_names(cfg) else None
 
 
-def train_transform(data: DataConfig, augment: AugmentConfig, size: int | None = None) -> TrainTransform:
-    """A run's train pipeline (crop side `size`, default data.image_size)."""
+def train_transform(data: DataConfig, augment: AugmentConfig, size: int | None = None,
+                    defer: bool = False, dct_scaling: bool = True) -> TrainTransform:
+    """A run's train pipeline (crop side `size`, default data.image_size); `defer`: the JPEGs the device
+    decodes are left to the rank (data.decode = "gpu")."""
     return TrainTransform(size or data.image_size, data.min_crop_scale, data.hflip, augment.interpolation,
-                          augmentation(augment))
+                          augmentation(augment), defer, dct_scaling)

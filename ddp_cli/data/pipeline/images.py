@@ -32,6 +32,11 @@ class BadImage(Exception):
     """An image that cannot be used; the message is the reason."""
 
 
+def bad_image_message(where: str, reason: str) -> str:
+    """What stops a run under data.on_bad_image = "error"."""
+    return f'bad image {where}: {reason} (set data.on_bad_image = "skip" to skip it)'
+
+
 @dataclass(frozen=True)
 class EncodedImage:
     """An image file whose header has been read: its size, and how it will be decoded."""

@@ -78,10 +78,11 @@ class TrainTransform:
 
     def __init__(self, size: int, min_scale: float = 0.08, hflip: bool = True,
                  interpolation: str = "bilinear", augment: Augment | None = None,
-                 defer: bool = False) -> None:
+                 defer: bool = False, dct_scaling: bool = True) -> None:
         self.size, self.scale, self.hflip = size, (min_scale, 1.0), hflip
         self.ratio = (3 / 4, 4 / 3)
         self.interpolation, self.augment, self.defer = interpolation, augment, defer
+        self.dct_scaling = dct_scaling  # off: every image decoded whole (`ddp bench data --full-decode`)
 
     def __call__(self, img: EncodedImage) -> torch.Tensor | Deferred:
         plan = self.plan(img)
@@ -98,7 +99,7 @@ class TrainTransform:
     def render(self, img: EncodedImage, plan: Plan) -> torch.Tensor:
         """The planned crop, decoded at the smallest DCT scale that still covers it at `plan.size`."""
         top, left, h, w = plan.box
-        reduce = min(w, h) / plan.size
+        reduce = min(w, h) / plan.size if self.dct_scaling else 1.0
         pixels, k = decode(img, math.ceil(img.width / reduce), math.ceil(img.height / reduce))
         out = crop_resize(pixels, (top * k, left * k, h * k, w * k), plan.size, self.interpolation)
         if plan.flip:
@@ -144,15 +145,19 @@ def random_resized_crop(
 
 
 def crop_resize(pixels: torch.Tensor, box: tuple[float, float, float, float], size: int,
-                mode: str = "bilinear") -> torch.Tensor:
+                mode: str = "bilinear", in_float: bool = False) -> torch.Tensor:
     """The (top, left, height, width) box of an HWC uint8 image, resized (antialiased bilinear or bicubic)
-    to size x size HWC uint8."""
+    to size x size HWC uint8; `in_float`: resized in float32 and rounded (CUDA has no uint8 kernel)."""
     top, left, h, w = box
     y0, x0 = max(0, round(top)), max(0, round(left))
     y1 = min(pixels.shape[0], max(y0 + 1, round(top + h)))
     x1 = min(pixels.shape[1], max(x0 + 1, round(left + w)))
     crop = pixels[y0:y1, x0:x1].unsqueeze(0).permute(0, 3, 1, 2)  # NCHW view of NHWC memory
+    if in_float:
+        crop = crop.float()
     out = F.interpolate(crop, size=(size, size), mode=mode, antialias=True, align_corners=False)
+    if in_float:
+        out = out.round_().clamp_(0, 255).to(torch.uint8)
     return out[0].permute(1, 2, 0).contiguous()  # channels_last in, channels_last out: no copy
 
 
