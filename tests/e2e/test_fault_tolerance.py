@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,32 @@ def test_sigterm_with_every_augmentation_on_checkpoints_then_resume_ends_bit_ide
     step = torch.load(stopped, weights_only=True)["step_in_epoch"]
     assert step == 10  # mid-epoch (of 22): the first stop agreement after the signal (stop_check_steps 10)
     resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, "--set", "train.epochs=2"))
+    assert_bit_identical(resumed, reference, run_dir, reference_dir)
+
+
+GPU_DECODE = ["--set", 'data.decode="gpu"']  # on these CPU workers: the rank decodes, the same code as on a GPU
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_gpu_decode(demo_registry, tmp_path_factory):
+    """The reference of `uninterrupted`, its JPEGs decoded and augmented by the ranks (data.decode gpu)."""
+    run_dir = tmp_path_factory.mktemp("ref-gpu-decode") / "run"
+    return last_json(train(demo_registry, run_dir, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2")), run_dir
+
+
+def test_sigterm_with_gpu_decode_checkpoints_then_resume_ends_bit_identical(demo_registry, tmp_path,
+                                                                           uninterrupted_gpu_decode):
+    """Every augmentation drawn by the loaders and replayed by the rank: a stop and its resume end where
+    the unbroken run ends (test_demo_accuracy checks what it learns)."""
+    reference, reference_dir = uninterrupted_gpu_decode
+    assert tomllib.loads((reference_dir / "config.toml").read_text())["data"]["decode"] == "gpu"
+    run_dir = tmp_path / "run"
+    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                  str(run_dir), *EXACT, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2",
+                  env=SIGTERM_AFTER_STEP_6)
+    assert run.wait(timeout=120) == 143, run.stderr
+    assert "step-" in CheckpointStore(run_dir / "checkpoints", 1).latest_valid().name
+    resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2"))
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
 
 
