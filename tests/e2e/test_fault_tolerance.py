@@ -76,14 +76,15 @@ def test_sigterm_with_every_augmentation_on_checkpoints_then_resume_ends_bit_ide
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
 
 
-GPU_DECODE = ["--set", 'data.decode="gpu"']  # on these CPU workers: the rank decodes, the same code as on a GPU
+GPU_DECODE = ["--set", 'data.decode="gpu"']  # on CPU workers: the rank decodes, with the code a GPU runs
 
 
 @pytest.fixture(scope="module")
 def uninterrupted_gpu_decode(demo_registry, tmp_path_factory):
     """The reference of `uninterrupted`, its JPEGs decoded and augmented by the ranks (data.decode gpu)."""
     run_dir = tmp_path_factory.mktemp("ref-gpu-decode") / "run"
-    return last_json(train(demo_registry, run_dir, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2")), run_dir
+    out = train(demo_registry, run_dir, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2")
+    return last_json(out), run_dir
 
 
 def test_sigterm_with_gpu_decode_checkpoints_then_resume_ends_bit_identical(demo_registry, tmp_path,
