@@ -38,9 +38,10 @@ def photo_like(rng: np.random.Generator, width: int, height: int) -> Image.Image
 
 
 def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int = 0,
-                 size: tuple[int, int] | None = None) -> Path:
-    """Write the images (each `size` = (width, height), else drawn), the LOC metadata and `root/data.toml`
-    (data set name: `jpegs`)."""
+                 size: tuple[int, int] | None = None, copies: int = 1) -> Path:
+    """Write the images (each `size` = (width, height), else drawn; each train image under `copies` names,
+    hard links of one file: a large set made fast, each copy costing what a distinct file costs to read
+    and decode), the LOC metadata and `root/data.toml` (data set name: `jpegs`)."""
     rng = np.random.default_rng(seed)
     synsets = [f"n{2000000 + c:08d}" for c in range(classes)]
     (root / "ILSVRC/ImageSets/CLS-LOC").mkdir(parents=True, exist_ok=True)
@@ -55,9 +56,13 @@ def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int =
     listing = []
     for synset in synsets:
         for i in range(per_class):
-            image_id = f"{synset}_{i}"
-            save(root / f"ILSVRC/Data/CLS-LOC/train/{synset}/{image_id}.JPEG")
-            listing.append(f"{synset}/{image_id} {len(listing) + 1}")
+            first = root / f"ILSVRC/Data/CLS-LOC/train/{synset}/{synset}_{i}.JPEG"
+            save(first)
+            for copy in range(copies):
+                image_id = f"{synset}_{i}" + (f"_{copy}" if copy else "")
+                if copy:
+                    first.with_name(f"{image_id}.JPEG").hardlink_to(first)
+                listing.append(f"{synset}/{image_id} {len(listing) + 1}")
     rows = ["ImageId,PredictionString"]
     for i in range(val):
         image_id = f"ILSVRC2012_val_{i + 1:08d}"
@@ -87,9 +92,10 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=40)
     parser.add_argument("--val", type=int, default=100)
     parser.add_argument("--size", metavar="WxH", help="every image this size (default: sides of 300-500 px)")
+    parser.add_argument("--copies", type=int, default=1, help="names per train image (hard links)")
     args = parser.parse_args()
     size = tuple(int(side) for side in args.size.split("x")) if args.size else None
-    registry = make_dataset(args.root, args.classes, args.per_class, args.val, size=size)
+    registry = make_dataset(args.root, args.classes, args.per_class, args.val, size=size, copies=args.copies)
     sizes = [p.stat().st_size for p in args.root.rglob("*.JPEG")]
     print(f"{len(sizes)} JPEGs, mean {np.mean(sizes) / 1e3:.0f} KB; registry: {registry}")
 
