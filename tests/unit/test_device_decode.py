@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from syncs import HostSyncs
 
+from ddp_cli.cli.plan import augmentation as plan_augmentation
 from ddp_cli.config import AugmentConfig, DataConfig, RunConfig
 from ddp_cli.data.pipeline import device_decode
 from ddp_cli.data.pipeline.augment import augmentation, train_transform
@@ -218,3 +219,9 @@ def test_gpu_decode_with_a_bicubic_policy_is_refused_naming_the_keys():
                                          'augment.interpolation = "bilinear"'):
         RunConfig().resolved({"data.decode": "gpu", "augment.policy": "trivialaugment",
                               "augment.interpolation": "bicubic"})
+
+
+def test_the_dry_run_plan_says_where_the_jpegs_are_decoded():
+    gpu = RunConfig().resolved({"data.decode": "gpu"})
+    assert plan_augmentation(gpu)[0].startswith('decode_jpeg on the device (data.decode = "gpu")')
+    assert not plan_augmentation(RunConfig().resolved({"data.decode": "cpu"}))[0].startswith("decode_jpeg")
