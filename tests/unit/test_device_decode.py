@@ -99,12 +99,12 @@ def test_device_path_with_every_augmentation_draws_as_the_cpu_path_and_lands_clo
 def test_replayed_steps_equal_the_live_ops_on_tensors(policy):
     """Every functional a policy calls is recorded: replaying the plan equals running the op itself."""
     aug = augmentation(AugmentConfig(policy=policy, color_jitter=0.4, random_erase=1.0, magnitude=15))
-    image = torch.from_numpy(np.array(Image.open(io.BytesIO(FILES[0])).convert("RGB")))[:64, :64].contiguous()
-    for seed in range(40):
+    image = torch.from_numpy(np.array(Image.open(io.BytesIO(FILES[0])).convert("RGB")))[:40, :40].contiguous()
+    for seed in range(24):  # each op of the policy drawn (RandAugment 2 a time, AutoAugment's pairs)
         torch.manual_seed(seed)
         live = aug.on_tensor(aug.on_image(image.permute(2, 0, 1).clone()))
         torch.manual_seed(seed)
-        on_image, on_tensor = aug.plan(64)
+        on_image, on_tensor = aug.plan(40)
         replayed = device_decode.replay(image.permute(2, 0, 1).clone(), on_image + on_tensor, CPU)
         assert torch.equal(live, replayed), seed
 
