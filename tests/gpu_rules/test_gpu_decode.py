@@ -40,14 +40,23 @@ def nvjpeg_on_fake_tensors(monkeypatch, decoded: list[str]) -> None:
     monkeypatch.setattr(device_decode, "decode_jpeg", decode_jpeg)
 
 
+def png() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (30, 20), (0, 0, 255)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
 def loader_batch(count: int, augment: AugmentConfig = EVERYTHING) -> Batch:
-    """A batch as a loader process hands it over (deferred JPEGs, collated), then pinned."""
+    """A batch as a loader process hands it over (deferred JPEGs and, last, a PNG the loader rendered,
+    collated), then pinned."""
     transform = train_transform(DataConfig(image_size=SIZE), augment, defer=True)
     items = []
-    for seed in range(count):
+    for seed in range(count - 1):
         torch.manual_seed(seed)
         items.append((transform(open_image(jpeg(seed))).located(f"img{seed}", "error"), seed % 2, "", ""))
+    items.append((transform(open_image(png())), 0, "", ""))
     batch = collate(items)
+    assert batch.images.pixel_rows == [count - 1]
     return Batch(batch.images.pin_memory(), batch.labels.pin_memory(), batch.skipped, batch.errors)
 
 

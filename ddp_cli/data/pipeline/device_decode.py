@@ -51,16 +51,18 @@ HOST_DATA = (torch.tensor, torch.as_tensor)
 
 @dataclass
 class DeferredBatch:
-    """A training batch whose JPEGs the rank decodes: `to(device)` makes its uint8 N x H x W x C images."""
+    """A training batch whose JPEGs the rank decodes: `to(device)` makes its uint8 N x S x S x C images."""
 
-    pixels: torch.Tensor  # N x S x S x 3 uint8: the rows the loader rendered, blank where deferred
+    size: int  # S, the crop's side
+    pixels: torch.Tensor  # R x S x S x 3 uint8: the rows the loader rendered (CMYK, PNG, a bad one's blank)
+    pixel_rows: list[int]  # their rows in the batch
     data: torch.Tensor  # the deferred rows' JPEG files, end to end (uint8)
     ends: list[int]  # where each file ends in `data`
     rows: list[int]  # the batch row of each deferred image
     items: list[Deferred]  # their plans (their `data` emptied: it is in `data`)
 
     def __len__(self) -> int:
-        return len(self.pixels)
+        return len(self.pixel_rows) + len(self.rows)
 
     def pin_memory(self) -> DeferredBatch:
         """Pinned, as the DataLoader pins a batch (so every copy to the GPU is asynchronous): the rows,
@@ -74,18 +76,22 @@ class DeferredBatch:
         return [self.data[start:end] for start, end in zip(starts, self.ends, strict=True)]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
-        """The batch's uint8 N x H x W x C images on `device`, decoded and rendered there (queued:
+        """The batch's uint8 N x S x S x C images on `device`, decoded and rendered there (queued:
         nothing waits for the device, whatever `non_blocking` says)."""
         device = torch.device(device)
-        out = self.pixels.to(device, non_blocking=True)
-        if not self.rows:
-            return out
+        out = torch.empty((len(self), self.size, self.size, 3), dtype=torch.uint8, device=device)
+        if self.pixel_rows:
+            rendered = self.pixels.to(device, non_blocking=True)
+            for i, row in enumerate(self.pixel_rows):
+                out[row] = rendered[i]
         files = self.files()
         with queued(device):
-            decoded = decode_jpegs(files, device)
+            decoded = decode_jpegs(files, device) if files else []
             for row, item, data, image in zip(self.rows, self.items, files, decoded, strict=True):
                 hwc = image.permute(1, 2, 0) if image is not None else on_cpu(data, item, device)
-                if hwc is not None:
+                if hwc is None:
+                    out[row].zero_()
+                else:
                     out[row] = render(hwc, item, device)
         return out
 
@@ -141,17 +147,17 @@ def _decoded_alone(data: torch.Tensor, device: torch.device) -> torch.Tensor | N
 
 
 def collate_images(images: Sequence[torch.Tensor | Deferred]) -> DeferredBatch:
-    """A batch of rendered rows and deferred JPEGs as one `DeferredBatch` (the loader process's collate)."""
+    """A batch of rendered rows and deferred JPEGs as one `DeferredBatch` (the loader process's collate):
+    the files end to end in one tensor, the rendered rows in another (empty, as a rule)."""
     deferred = [(row, image) for row, image in enumerate(images) if isinstance(image, Deferred)]
+    rendered = [(row, image) for row, image in enumerate(images) if not isinstance(image, Deferred)]
     size = deferred[0][1].plan.size
-    pixels = torch.zeros(len(images), size, size, 3, dtype=torch.uint8)
-    for row, image in enumerate(images):
-        if isinstance(image, torch.Tensor):
-            pixels[row] = image
+    pixels = (torch.stack([image for _, image in rendered]) if rendered
+              else torch.empty((0, size, size, 3), dtype=torch.uint8))
     files = [image.data for _, image in deferred]
     data = torch.frombuffer(bytearray(b"".join(files)), dtype=torch.uint8)
     ends = torch.tensor([len(f) for f in files]).cumsum(0).tolist()
-    return DeferredBatch(pixels, data, ends, [row for row, _ in deferred],
+    return DeferredBatch(size, pixels, [row for row, _ in rendered], data, ends, [row for row, _ in deferred],
                          [replace(image, data=b"") for _, image in deferred])
 
 
