@@ -17,7 +17,13 @@ path's), flips, and replays the augmentation's steps through v2's tensor kernels
 (`to_model_input`). Nothing is read back to the host: the two places where
 torchvision's tensor kernels would wait for the device (a tensor made from Python
 numbers on it, a boolean-mask assignment) are rewritten by `queued` into queued
-equivalents (tests/gpu_rules, tests/unit/test_device_decode).
+equivalents (tests/gpu_rules, tests/unit/test_device_decode). One wait is
+torchvision's own and stays: its nvJPEG decoder works on a stream of its own
+(baseline JPEGs on the GPU's hardware JPEG engines where it has them, A100 and
+later) and synchronises that stream before returning, so the host waits for the
+batch's decode, not for the training queued before it, which the GPU runs
+meanwhile: the step keeps pace as long as the decode and the step's launches
+take less host time than the step takes the GPU.
 
 An image the device's decoder refuses anyway is decoded on the rank's CPU
 (`images.decode`, PIL judging it) and goes on through the same steps; one PIL
