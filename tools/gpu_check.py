@@ -46,9 +46,9 @@ EVERY = 3  # checkpoint.every_steps of the two-epoch run
 BENCH = ("--device", "cuda", "--model", "resnet50", "--image-size", "224", "--batch-size", "64",
          "--world-size", "1", "--steps", "10", "--rounds", "3")
 RATIO, RATIO_EMA, PEAK = 0.98, 0.97, 1.05  # ddp's step vs the bare loop: images/s, with EMA; peak memory
-# The input stage: 512 ImageNet-like JPEGs under 8 names each (4,096 files: 16 steps of 256), 256 for val
-INPUT_BATCH, INPUT_STEPS, INPUT_EVERY, INPUT_VAL = 256, 16, 4, 256
-INPUT_JPEGS = ("--size", "500x375", "--classes", "8", "--per-class", "64", "--copies", "8",
+# The input stage: 512 ImageNet-like JPEGs under 12 names each (6,144 files: 24 steps of 256), 256 for val
+INPUT_BATCH, INPUT_STEPS, INPUT_EVERY, INPUT_VAL = 256, 24, 4, 256
+INPUT_JPEGS = ("--size", "500x375", "--classes", "8", "--per-class", "64", "--copies", "12",
                "--val", str(INPUT_VAL))
 INPUT_SETS = ('data.dataset="jpegs"', f"data.batch_size={INPUT_BATCH}", 'data.workers="auto"',
               'train.precision="bf16"', "model.channels_last=true", "train.epochs=1",
