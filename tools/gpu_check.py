@@ -427,8 +427,10 @@ def input_run(ctx: Context, registry: str, name: str, *sets: str) -> dict:
 
 
 def steady_rate(records: list[dict], batch: int) -> tuple[float, float, float]:
-    """Images/s between the first and the last logging window of training, and when they were logged."""
-    train = [r for r in records if r.get("split") == "train"]
+    """Images/s between the first and the last logging window of the run's training (after its last
+    start-up record: a run dir trained in before keeps its records), and when they were logged."""
+    starts = [i for i, r in enumerate(records) if r.get("split") == "startup"]
+    train = [r for r in records[(starts or [0])[-1]:] if r.get("split") == "train"]
     require(len(train) >= 2, f"{len(train)} logging windows in metrics.jsonl: too few to time", {})
     first, last = train[0], train[-1]
     rate = (last["step"] - first["step"]) * batch / (last["time"] - first["time"])

@@ -192,6 +192,8 @@ def test_the_steady_rate_leaves_out_the_first_logging_window():
                {"split": "train", "step": 8, "time": 10.5}, {"split": "train", "step": 16, "time": 11.0},
                {"split": "val", "step": 16, "time": 12.0}]
     assert gc.steady_rate(records, 256) == (12 * 256 / 1.0, 10.0, 11.0)
+    earlier = [{"split": "startup", "time": -9.0}, {"split": "train", "step": 4, "time": -5.0}]
+    assert gc.steady_rate(earlier + records, 256) == (12 * 256 / 1.0, 10.0, 11.0)  # the last run's only
     with pytest.raises(gc.Failed, match="1 logging windows"):
         gc.steady_rate(records[:2], 256)
 
