@@ -23,7 +23,9 @@ torchvision's own and stays: its nvJPEG decoder works on a stream of its own
 later) and synchronises that stream before returning, so the host waits for the
 batch's decode, not for the training queued before it, which the GPU runs
 meanwhile: the step keeps pace as long as the decode and the step's launches
-take less host time than the step takes the GPU.
+take less host time than the step takes the GPU. The per-image work is launched
+image by image (each crop differs in size and place): some ten kernels an image,
+twice that with a policy op, which `make gpu-check`'s input stage weighs.
 
 An image the device's decoder refuses anyway is decoded on the rank's CPU
 (`images.decode`, PIL judging it) and goes on through the same steps; one PIL
@@ -92,7 +94,7 @@ class DeferredBatch:
                 out[row] = rendered[i]
         files = self.files()
         with queued(device):
-            decoded = decode_jpegs(files, device) if files else []
+            decoded = decode_jpegs(files, device)
             for row, item, data, image in zip(self.rows, self.items, files, decoded, strict=True):
                 hwc = image.permute(1, 2, 0) if image is not None else on_cpu(data, item, device)
                 if hwc is None:
