@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torchvision
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from ddp_cli.config import RunConfig
@@ -189,7 +189,8 @@ class queued(TorchFunctionMode):  # noqa: N801 - a context manager, like torch's
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = kwargs.get("device")
-        if func in HOST_DATA and target is not None and torch.device(target).type == self.device.type:
+        if func in HOST_DATA and target is not None and torch.device(target).type == self.device.type \
+                and not any(isinstance(a, torch.Tensor) for a in tree_leaves(args)):  # Python numbers only
             host = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
             return _pinned(host, self.device).to(target, non_blocking=True)
         if func is torch.Tensor.__setitem__ and _mask_fill(*args):
