@@ -43,7 +43,8 @@ def jpeg(pixels: torch.Tensor) -> bytes:
 
 def augmented(cfg: AugmentConfig, pixels: torch.Tensor, seed: int) -> torch.Tensor:
     torch.manual_seed(seed)
-    out = augmentation(cfg)(pixels.clone())
+    ops = augmentation(cfg)
+    out = ops.apply(pixels.clone(), ops.plan(pixels.shape[0]))
     assert out.dtype == torch.uint8 and out.shape == pixels.shape and out.is_contiguous()
     return out
 

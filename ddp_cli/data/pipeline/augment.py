@@ -164,9 +164,6 @@ class Augmentation:
             hwc = replay(hwc.permute(2, 0, 1), on_tensor).permute(1, 2, 0)
         return hwc
 
-    def __call__(self, hwc: torch.Tensor) -> torch.Tensor:
-        return self.apply(hwc, self.plan(hwc.shape[0]))
-
 
 def augmentation(cfg: AugmentConfig) -> Augmentation | None:
     """The per-image augmentation, or None when the config asks for none."""
