@@ -2,7 +2,8 @@
 
     python benchmarks/make_jpegs.py /tmp/jpegs --classes 10 --per-class 40 --val 100
 
-Sides are drawn from 300-500 px, like ImageNet's typical images; the content is
+Sides are drawn from 300-500 px, like ImageNet's typical images (or all one
+size, `--size 500x375`, ImageNet's most common); the content is
 1/f ("pink") noise with correlated colour channels, whose spectrum is close to a
 photograph's, so at quality 90 the files come out at 60-140 KB (ImageNet's
 average is about 110 KB) and decode at photo-like cost. Deterministic (seeded).
@@ -36,8 +37,11 @@ def photo_like(rng: np.random.Generator, width: int, height: int) -> Image.Image
     return Image.fromarray(np.clip(x, 0, 255).astype(np.uint8), "RGB")
 
 
-def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int = 0) -> Path:
-    """Write the images, the LOC metadata and `root/data.toml` (data set name: `jpegs`)."""
+def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int = 0,
+                 size: tuple[int, int] | None = None, copies: int = 1) -> Path:
+    """Write the images (each `size` = (width, height), else drawn; each train image under `copies` names,
+    hard links of one file: a large set made fast, each copy costing what a distinct file costs to read
+    and decode), the LOC metadata and `root/data.toml` (data set name: `jpegs`)."""
     rng = np.random.default_rng(seed)
     synsets = [f"n{2000000 + c:08d}" for c in range(classes)]
     (root / "ILSVRC/ImageSets/CLS-LOC").mkdir(parents=True, exist_ok=True)
@@ -46,15 +50,19 @@ def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int =
 
     def save(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        width, height = rng.integers(300, 501, size=2)
+        width, height = size or rng.integers(300, 501, size=2)
         photo_like(rng, int(width), int(height)).save(path, "JPEG", quality=90)
 
     listing = []
     for synset in synsets:
         for i in range(per_class):
-            image_id = f"{synset}_{i}"
-            save(root / f"ILSVRC/Data/CLS-LOC/train/{synset}/{image_id}.JPEG")
-            listing.append(f"{synset}/{image_id} {len(listing) + 1}")
+            first = root / f"ILSVRC/Data/CLS-LOC/train/{synset}/{synset}_{i}.JPEG"
+            save(first)
+            for copy in range(copies):
+                image_id = f"{synset}_{i}" + (f"_{copy}" if copy else "")
+                if copy:
+                    first.with_name(f"{image_id}.JPEG").hardlink_to(first)
+                listing.append(f"{synset}/{image_id} {len(listing) + 1}")
     rows = ["ImageId,PredictionString"]
     for i in range(val):
         image_id = f"ILSVRC2012_val_{i + 1:08d}"
@@ -83,8 +91,11 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--per-class", type=int, default=40)
     parser.add_argument("--val", type=int, default=100)
+    parser.add_argument("--size", metavar="WxH", help="every image this size (default: sides of 300-500 px)")
+    parser.add_argument("--copies", type=int, default=1, help="names per train image (hard links)")
     args = parser.parse_args()
-    registry = make_dataset(args.root, args.classes, args.per_class, args.val)
+    size = tuple(int(side) for side in args.size.split("x")) if args.size else None
+    registry = make_dataset(args.root, args.classes, args.per_class, args.val, size=size, copies=args.copies)
     sizes = [p.stat().st_size for p in args.root.rglob("*.JPEG")]
     print(f"{len(sizes)} JPEGs, mean {np.mean(sizes) / 1e3:.0f} KB; registry: {registry}")
 

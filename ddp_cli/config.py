@@ -80,6 +80,16 @@ class DataConfig(Section):
         2, description="Batches each loader process keeps ready. auto: at least 2, and 4 batches "
         "queued per worker in all.",
     )
+    decode: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description='Where training JPEGs are decoded and augmented. "cpu": in the loader processes '
+        '(at the JPEG\'s reduced DCT scale where the crop is shrunk). "gpu": the loader processes read the '
+        "files and draw every random parameter as on cpu, and each worker decodes its batch on its own "
+        "device (nvJPEG, batched) and crops, resizes, flips and augments it there; other images (CMYK, "
+        'PNG) are decoded in the loaders as on cpu. auto: "gpu" when the workers train on CUDA and '
+        "torchvision was built with it (and augment.interpolation is bilinear or no policy is set: v2's "
+        'tensor kernels do not rotate bicubic), else "cpu". Validation decodes on the CPU either way '
+        '(docs: "Performance", "Decoding on the GPU").',
+    )
     on_bad_image: Literal["error", "skip"] = Field(
         "error", description='"error": stop every rank (exit 3) naming the file; '
         '"skip": replace it by another sample and count it.',
@@ -226,6 +236,10 @@ class AugmentConfig(Section):
 
     def mixing(self) -> bool:
         return self.mix_prob > 0 and (self.mixup_alpha > 0 or self.cutmix_alpha > 0)
+
+    def bicubic_policy(self) -> bool:
+        """A policy whose geometric ops resample bicubic (PIL's kernels only)."""
+        return self.policy != "none" and self.interpolation == "bicubic"
 
 
 class SemiConfig(Section):
@@ -569,6 +583,14 @@ class RunConfig(Section):
         if self.checkpoint.best_metric == "ema_top1" and not self.train.ema_decay:
             raise ValueError("checkpoint.best_metric: \"ema_top1\" needs an EMA; set train.ema_decay "
                              "(e.g. 0.9998) or use \"top1\"")
+        return self
+
+    @model_validator(mode="after")
+    def _gpu_decode_rotates_bilinear(self) -> RunConfig:
+        if self.data.decode == "gpu" and self.augment.bicubic_policy():
+            raise ValueError(f'data.decode: "gpu" replays augment.policy "{self.augment.policy}" with '
+                             "torchvision's tensor kernels, which rotate, shear and translate bilinear "
+                             'only; set augment.interpolation = "bilinear", or data.decode = "cpu"')
         return self
 
     @model_validator(mode="after")

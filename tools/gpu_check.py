@@ -5,9 +5,13 @@ Every stage runs `ddp` as a user would (a subprocess, the shipped configs with
 driver and build (`ddp env`), tests/cuda, ResNet-50 for two short epochs on
 generated JPEGs (checkpoints every few steps, EMA), a resume from a mid-epoch
 checkpoint, validate (`--per-class`, `--predictions`), predict and export, one
-short epoch each with fp16, bf16, PowerSGD, SyncBatchNorm and torch.compile,
-and `ddp bench step --device cuda`: ddp's step against a bare DDP loop on the
-same tensors (images/s and peak memory) and the host syncs in ddp's step.
+short epoch each with fp16, bf16, PowerSGD and SyncBatchNorm, `ddp bench step
+--device cuda`: ddp's step against a bare DDP loop on the same tensors (images/s
+and peak memory) and the host syncs in ddp's step, and the input stage:
+ResNet-50 at 224 px, batch 256, bf16, channels-last, one GPU, fed from
+ImageNet-like JPEGs (500x375, ~110 KB) decoded on the CPU, on the GPU, and on
+the GPU under torch.compile, each against the same step on synthetic tensors
+(its goal: `INPUT_GOAL`).
 A stage that fails does not stop the others; one that needs a failed stage's
 output is skipped, saying which. The outcome is one JSON report (its path is
 printed) and a one-screen summary.
@@ -19,12 +23,14 @@ Exit 0: every stage held; 1: one or more did not; 2: no CUDA GPU here (nothing r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -40,6 +46,20 @@ EVERY = 3  # checkpoint.every_steps of the two-epoch run
 BENCH = ("--device", "cuda", "--model", "resnet50", "--image-size", "224", "--batch-size", "64",
          "--world-size", "1", "--steps", "10", "--rounds", "3")
 RATIO, RATIO_EMA, PEAK = 0.98, 0.97, 1.05  # ddp's step vs the bare loop: images/s, with EMA; peak memory
+# The input stage: 512 ImageNet-like JPEGs under 12 names each (6,144 files: 24 steps of 256), 256 for val
+INPUT_BATCH, INPUT_STEPS, INPUT_EVERY, INPUT_VAL = 256, 24, 4, 256
+INPUT_JPEGS = ("--size", "500x375", "--classes", "8", "--per-class", "64", "--copies", "12",
+               "--val", str(INPUT_VAL))
+INPUT_SETS = ('data.dataset="jpegs"', f"data.batch_size={INPUT_BATCH}", 'data.workers="auto"',
+              'train.precision="bf16"', "model.channels_last=true", "train.epochs=1",
+              f"train.max_steps_per_epoch={INPUT_STEPS}", f"logging.every_steps={INPUT_EVERY}")
+INPUT_RUNS = {"cpu_decode": ('data.decode="cpu"',), "gpu_decode": ('data.decode="gpu"',),
+              "gpu_decode_compiled": ('data.decode="gpu"', "train.compile=true")}
+# The goal, held where it applies (an H100-class GPU, 16 cores or more for it); reported everywhere
+INPUT_GOAL = ("on an H100-class GPU with 16 cores: GPU decode >= 0.9x synthetic, ResNet-50 bf16 >= 3,000 "
+              "img/s from JPEG files")
+GOAL_RATIO, GOAL_RATE, GOAL_CORES = 0.9, 3000.0, 16
+H100_CLASS = ("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "GB200")
 
 
 class Failed(Exception):
@@ -64,6 +84,69 @@ class Outcome:
     data: dict = field(default_factory=dict)
 
 
+class Monitor:
+    """While a run goes: the machine's CPU time (/proc/stat, every 0.25 s) and the GPUs' memory in use
+    (nvidia-smi, every 250 ms), for the busy share of a span of the run and its peak."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []  # (time.time(), busy jiffies, all jiffies)
+        self.memory: list[str] = []  # nvidia-smi's lines: MiB used per GPU
+        self.done = threading.Event()
+
+    def __enter__(self) -> Monitor:
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        try:
+            self.smi = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "250"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.smi = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        self.thread.join()
+        if self.smi:
+            self.smi.terminate()
+            self.memory = self.smi.communicate()[0].splitlines()
+
+    def sample(self) -> None:
+        while not self.done.is_set():
+            with contextlib.suppress(OSError):
+                self.samples.append((time.time(), *cpu_jiffies(Path("/proc/stat").read_text())))
+            self.done.wait(0.25)
+
+    def busy_share(self, start: float, end: float) -> float | None:
+        return busy_between(self.samples, start, end)
+
+    def peak_mib(self) -> float | None:
+        return peak_memory(self.memory)
+
+
+def cpu_jiffies(stat: str) -> tuple[int, int]:
+    """(busy, all) CPU time of every core from /proc/stat's first line (idle and iowait are not busy)."""
+    values = [int(v) for v in stat.splitlines()[0].split()[1:]]
+    return sum(values) - values[3] - values[4], sum(values)
+
+
+def busy_between(samples: list[tuple[float, int, int]], start: float, end: float) -> float | None:
+    """The share of all cores busy from the last sample at or before `start` to the first at or after
+    `end`; None if the samples do not span it."""
+    before = [s for s in samples if s[0] <= start]
+    after = [s for s in samples if s[0] >= end]
+    if not before or not after or after[0][2] == before[-1][2]:
+        return None
+    (_, busy0, all0), (_, busy1, all1) = before[-1], after[0]
+    return (busy1 - busy0) / (all1 - all0)
+
+
+def peak_memory(lines: list[str]) -> float | None:
+    """The most MiB in use on any GPU in nvidia-smi's samples."""
+    values = [float(v) for line in lines for v in line.split(",") if v.strip().replace(".", "", 1).isdigit()]
+    return max(values, default=None)
+
+
 @dataclass
 class Context:
     """What stages share: the work folder, each stage's results, the deadlines and the `ddp` runner."""
@@ -72,6 +155,7 @@ class Context:
     results: dict[str, dict] = field(default_factory=dict)
     deadline: float = math.inf  # the running stage's: its budget or the whole check's, whichever is first
     clock: Callable[[], float] = time.monotonic
+    monitor: Callable[[], Monitor] = Monitor  # what the input stage watches its runs with
 
     def seconds_left(self) -> float:
         left = self.deadline - self.clock()
@@ -191,12 +275,12 @@ def train(ctx: Context, run_dir: Path, *sets: str, resume: str = "never") -> dic
                    "--run-dir", str(run_dir), "--resume", resume, *args)
 
 
-def trained_sanely(out: dict, epochs: int, what: str) -> None:
+def trained_sanely(out: dict, epochs: int, what: str, val: int = VAL) -> None:
     """Every val image counted, the epochs run, a finite loss."""
     final = out.get("final") or {}
     finite = math.isfinite(final.get("loss", math.nan))
-    require(out.get("epochs") == epochs and final.get("images") == VAL and finite,
-            f"{what}: epochs {out.get('epochs')}, val images {final.get('images')} (want {VAL}), "
+    require(out.get("epochs") == epochs and final.get("images") == val and finite,
+            f"{what}: epochs {out.get('epochs')}, val images {final.get('images')} (want {val}), "
             f"loss {final.get('loss')}", out)
 
 
@@ -292,6 +376,77 @@ def check_step(ctx: Context) -> tuple[str, dict]:
     return line, out
 
 
+def check_input(ctx: Context) -> tuple[str, dict]:
+    """ResNet-50 fed from JPEG files against its step on synthetic tensors: images/s decoding on the CPU,
+    on the GPU, and on the GPU compiled; each one's ratio to synthetic, CPU busy share and peak GPU
+    memory. Held to `INPUT_GOAL` where it applies: on an H100-class GPU with 16 cores or more."""
+    root = ctx.work / "imagenet-like"
+    done = ctx.run(sys.executable, "benchmarks/make_jpegs.py", str(root), *INPUT_JPEGS)
+    require(done.returncode == 0, f"make_jpegs.py exited {done.returncode}",
+            {"stderr": done.stderr[-2000:]})
+    synthetic = synthetic_rate(ctx)
+    runs = {name: input_run(ctx, str(root / "data.toml"), name, *sets) for name, sets in INPUT_RUNS.items()}
+    for run in runs.values():
+        run["ratio_to_synthetic"] = run["images_per_second"] / synthetic["images_per_second"]
+    env = ctx.results.get("driver", {})
+    gpu = (env.get("gpus") or [{}])[0].get("name", "?")
+    applies = any(kind in gpu for kind in H100_CLASS) and (os.cpu_count() or 0) >= GOAL_CORES
+    data = {"synthetic": synthetic, "runs": runs, "goal": INPUT_GOAL, "goal_applies": applies, "gpu": gpu,
+            "cpus": os.cpu_count()}
+    line = input_line(synthetic, runs) + ("" if applies else f"; goal ({INPUT_GOAL}) not applied on {gpu}")
+    if applies:
+        best = max(runs["gpu_decode"]["images_per_second"], runs["gpu_decode_compiled"]["images_per_second"])
+        require(runs["gpu_decode"]["ratio_to_synthetic"] >= GOAL_RATIO and best >= GOAL_RATE,
+                f"{line} (want GPU decode >= x{GOAL_RATIO} and >= {GOAL_RATE:,.0f} img/s)", data)
+    return line, data
+
+
+def synthetic_rate(ctx: Context) -> dict:
+    """ddp's step at the input stage's settings on synthetic tensors (`ddp bench step`): images/s, peak."""
+    out = ctx.ddp("bench", "step", "--device", "cuda", "--model", "resnet50", "--image-size", "224",
+                  "--batch-size", str(INPUT_BATCH), "--world-size", "1", "--steps", "10", "--rounds", "1")
+    row = next(r for r in out["rows"]
+               if r["loop"] == "ddp" and r["channels_last"] and r["precision"] == "bf16")
+    return {"images_per_second": row["images_per_second"], "peak_memory_mib": row["peak_memory_mib"]}
+
+
+def input_run(ctx: Context, registry: str, name: str, *sets: str) -> dict:
+    """One epoch of the input stage's settings with `sets`, one GPU, watched: its steady images/s (the
+    logging windows after the first, which holds the start-up), the CPU's busy share over them, peak
+    GPU memory."""
+    run_dir = ctx.work / f"input-{name}"
+    args = [a for s in (*INPUT_SETS, *sets) for a in ("--set", s)]
+    with ctx.monitor() as watch:
+        out = ctx.ddp("train", "configs/resnet50.toml", "--registry", registry, "--run-dir", str(run_dir),
+                      "--resume", "never", "--nproc-per-node", "1", *args)
+    trained_sanely(out, 1, name, INPUT_VAL)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rate, start, end = steady_rate(records, INPUT_BATCH)
+    return {"images_per_second": rate, "cpu_busy_share": watch.busy_share(start, end),
+            "peak_gpu_memory_mib": watch.peak_mib(), "epoch_images_per_second": out["images_per_second"]}
+
+
+def steady_rate(records: list[dict], batch: int) -> tuple[float, float, float]:
+    """Images/s between the first and the last logging window of the run's training (after its last
+    start-up record: a run dir trained in before keeps its records), and when they were logged."""
+    starts = [i for i, r in enumerate(records) if r.get("split") == "startup"]
+    train = [r for r in records[(starts or [0])[-1]:] if r.get("split") == "train"]
+    require(len(train) >= 2, f"{len(train)} logging windows in metrics.jsonl: too few to time", {})
+    first, last = train[0], train[-1]
+    rate = (last["step"] - first["step"]) * batch / (last["time"] - first["time"])
+    return rate, first["time"], last["time"]
+
+
+def input_line(synthetic: dict, runs: dict) -> str:
+    def share(run: dict) -> str:
+        busy, peak = run["cpu_busy_share"], run["peak_gpu_memory_mib"]
+        return (f"CPU {'?' if busy is None else f'{busy:.0%}'}, "
+                f"{'?' if peak is None else f'{peak / 1024:.1f}'} GiB")
+    parts = [f"{name.replace('_', ' ')} {run['images_per_second']:,.0f} img/s "
+             f"x{run['ratio_to_synthetic']:.2f} ({share(run)})" for name, run in runs.items()]
+    return f"synthetic {synthetic['images_per_second']:,.0f} img/s; " + "; ".join(parts)
+
+
 STAGES = [
     Stage("driver", 30, check_driver),
     Stage("tests_cuda", 150, check_tests_cuda, ("driver",)),
@@ -308,8 +463,8 @@ STAGES = [
     Stage("powersgd", 45, one_epoch("powersgd", 'distributed.reduce="powersgd"',
                                     "distributed.powersgd_warmup_steps=2"), ("driver", "data")),
     Stage("syncbn", 45, one_epoch("syncbn", "model.sync_batchnorm=true"), ("driver", "data")),
-    Stage("compile", 150, one_epoch("compile", "train.compile=true"), ("driver", "data")),
     Stage("step", 120, check_step, ("driver",)),
+    Stage("input", 240, check_input, ("driver",)),  # torch.compile's epoch too (its own stage before)
 ]
 
 

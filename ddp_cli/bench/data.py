@@ -10,6 +10,10 @@ batch in the consuming process:
 - baseline: the torchvision ImageNet recipe: PIL open + convert("RGB"),
   RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize, float collate.
 
+With `full_decode`, ddp's pipeline is timed a third way, every image decoded
+whole (its DCT scaling off): what decoding at the size needed gains, which is
+most at small crops (`ratios_reduced_vs_full`).
+
 With a policy (`policies`), both run it after the flip with the same bilinear
 interpolation: ddp v2's op on its uint8 crop (`augment.py`), the baseline the
 plain `torchvision.transforms` op on its PIL image, where torchvision's
@@ -46,6 +50,7 @@ from ddp_cli.errors import ConfigError
 from ddp_cli.registry import load_registry
 
 POLICIES = ("none", "trivialaugment", "randaugment", "autoaugment")
+FULL = "ddp_full_decode"  # ddp's pipeline with its DCT scaling off
 
 
 class EndlessSampler(Sampler[int]):
@@ -84,9 +89,9 @@ class TorchvisionStyle(Dataset):
 
 def bench_data(name: str, registry: str | None, split: str = "train", workers: int = 2,
                seconds: float = 20.0, batch_size: int = 32, image_size: int = 224,
-               policies: Sequence[str] = ("none",), rounds: int = 3) -> dict:
-    """Measure both pipelines with each policy on data set `name`, alternating in `rounds`; return the
-    shared bench dict."""
+               policies: Sequence[str] = ("none",), rounds: int = 3, full_decode: bool = False) -> dict:
+    """Measure both pipelines (and ddp's with full-size decoding, `full_decode`) with each policy on data
+    set `name`, alternating in `rounds`; return the shared bench dict."""
     entry = load_registry(registry).get(name)
     fs, root = entry.open()
     table = build_index(fs, root, entry.layout, splits=(split,), options=entry.layout_options).splits[split]
@@ -94,7 +99,7 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
         raise ConfigError(f"bench data: the {split} split of {name!r} has {len(table)} images, fewer "
                           f"than --batch-size {batch_size}")
     pipelines = {key: pipeline for p in policies
-                 for key, pipeline in both_pipelines(fs, root, table, image_size, p).items()}
+                 for key, pipeline in both_pipelines(fs, root, table, image_size, p, full_decode).items()}
     totals = {key: [0, 0.0] for key in pipelines}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the consumer, like each loader process, on one core
@@ -121,6 +126,8 @@ def bench_data(name: str, registry: str | None, split: str = "train", workers: i
                  for (p, pipeline), rate in rates.items()],
         "ratios": ratios,  # ddp over the baseline, per policy
         "ratio": ratios[policies[0]],
+        **({"ratios_reduced_vs_full": {p: rates[p, "ddp"] / rates[p, FULL] for p in policies}}
+           if full_decode else {}),
     }
 
 
@@ -130,18 +137,24 @@ def set_up(workers: int, batch_size: int, image_size: int, seconds: float, round
             "rounds": rounds, "machine": machine()}
 
 
-def both_pipelines(fs: fsspec.AbstractFileSystem, root: str, table: Split, image_size: int,
-                   policy_name: str) -> dict[tuple[str, str], tuple[Dataset, Callable]]:
-    """ddp's and the baseline's pipeline with `policy_name`, each with how its consumer takes a batch."""
-    augment = AugmentConfig(policy=policy_name)
-    ours = ImageDataset(fs, root, table, train_transform(DataConfig(image_size=image_size), augment), "skip",
-                        image_size)
-    theirs = TorchvisionStyle(FileReader(fs, root), table.paths, image_size, augment)
-    cpu = torch.device("cpu")
+def both_pipelines(fs: fsspec.AbstractFileSystem, root: str, table: Split, image_size: int, policy_name: str,
+                   full_decode: bool = False) -> dict[tuple[str, str], tuple[Dataset, Callable]]:
+    """ddp's and the baseline's pipeline with `policy_name` (and ddp's decoding whole images, `full_decode`),
+    each with how its consumer takes a batch."""
+    augment, data = AugmentConfig(policy=policy_name), DataConfig(image_size=image_size)
+    variants = {"ddp": True, **({FULL: False} if full_decode else {})}
     return {
-        (policy_name, "ddp"): (ours, lambda batch: to_model_input(batch[0], cpu, channels_last=False)),
-        (policy_name, "baseline"): (theirs, lambda batch: batch),
+        **{(policy_name, pipeline): (ImageDataset(fs, root, table, train_transform(
+            data, augment, dct_scaling=scaling), "skip", image_size), normalised)
+           for pipeline, scaling in variants.items()},
+        (policy_name, "baseline"): (TorchvisionStyle(FileReader(fs, root), table.paths, image_size, augment),
+                                    lambda batch: batch),
     }
+
+
+def normalised(batch: tuple) -> torch.Tensor:
+    """How the trainer takes ddp's batch: uint8 to a normalised float batch (here on the CPU)."""
+    return to_model_input(batch[0], torch.device("cpu"), channels_last=False)
 
 
 def machine() -> str:

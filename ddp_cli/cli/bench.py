@@ -206,6 +206,9 @@ def data(
         metavar="POLICY[,...]|all",
         help="Augmentation policy both pipelines run after the flip: none | trivialaugment | randaugment | "
              "autoaugment, several comma-separated, or all (a row each, and each against none).")] = "none",
+    full_decode: Annotated[bool, typer.Option(
+        "--full-decode", help="Also time ddp's pipeline decoding every image whole (its DCT scaling off): "
+        "a row per policy, and ratios_reduced_vs_full.")] = False,
     rounds: RoundsOpt = 3,
     registry: RegistryOpt = None,
     as_json: JsonOpt = False,
@@ -221,6 +224,7 @@ def data(
     * `ddp bench data demo --workers 2 --seconds 10`
     * `ddp bench data imagenet_local --workers 8 --json`
     * `ddp bench data imagenet_local --workers 2 --policy all --seconds 120`
+    * `ddp bench data imagenet_local --workers 2 --image-size 112 --full-decode`
     * `ddp bench data jpegs jpegs_shards jpegs_s3 jpegs_s3_shards --latency-ms 50 --workers 2`
     """
     from ddp_cli.bench.data import POLICIES, bench_data
@@ -235,7 +239,8 @@ def data(
     policies = POLICIES if policy == "all" else tuple(dict.fromkeys(policy.split(",")))
     if unknown := [p for p in policies if p not in POLICIES]:
         raise ConfigError(f"--policy {unknown[0]}: use {', '.join(POLICIES)} or all")
-    result = bench_data(names[0], registry, split, workers, seconds, batch_size, image_size, policies, rounds)
+    result = bench_data(names[0], registry, split, workers, seconds, batch_size, image_size, policies, rounds,
+                        full_decode)
     emit(result, as_json, lambda: print_bench(result))
 
 

@@ -49,7 +49,9 @@ def augmentation(cfg: RunConfig) -> list[str]:
     crop = (f"RandomResizedCrop({data.image_size}, scale=({data.min_crop_scale:g}, 1), {aug.interpolation}, "
             "antialias)")
     flip = ["RandomHorizontalFlip"] if data.hflip else []
-    return [*sampler, crop, *flip, *op_names(aug), normalize(cfg), *mixing(aug)]
+    decode = ['decode_jpeg on the device (data.decode = "gpu"): the loaders read and draw, the ops below '
+              "run on the device"] if data.decode == "gpu" else []
+    return [*sampler, *decode, crop, *flip, *op_names(aug), normalize(cfg), *mixing(aug)]
 
 
 def normalize(cfg: RunConfig) -> str:

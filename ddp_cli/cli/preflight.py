@@ -24,6 +24,7 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_loaders
+from ddp_cli.data.pipeline.device_decode import decode_choice
 from ddp_cli.data.pipeline.semi import check_unlabelled, semi_splits
 from ddp_cli.data.pipeline.sharedmem import check_shared_memory
 from ddp_cli.data.sources.table import IndexTable
@@ -117,7 +118,7 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     model = check_model(cfg, len(index.classes))
     startup.mark("model_check")
     loaders = choose_node_loaders(cfg, workers, entry, index, model, "train")
-    cfg = cfg.resolved(loaders.settings())
+    cfg = cfg.resolved({**loaders.settings(), "data.decode": decode_choice(cfg, workers.device)})
     startup.mark("data_workers")
     labelled, unlabelled = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
     if unlabelled is not None:

@@ -105,3 +105,35 @@ def test_loaders_pin_memory_on_cuda_and_batches_reach_the_device(demo_registry):
         on_cpu = to_model_input(batch.images, torch.device("cpu"), channels_last=True)
         torch.testing.assert_close(x.cpu(), on_cpu)
 
+
+
+def test_gpu_decode_renders_a_batch_on_the_gpu_without_a_sync_close_to_the_same_code_on_the_cpu(
+        demo_registry):
+    """data.decode = "gpu" with TrivialAugment and erasing: the loader's batch arrives compressed and
+    pinned, nvJPEG decodes it and the plans are replayed on the GPU with no sync of ddp's (sync debug
+    mode "error"; torchvision waits for its own decoding stream, which that mode does not see), and the
+    images are within a few levels of the same batch rendered on the CPU (libjpeg-turbo's IDCT)."""
+    from ddp_cli.config import AugmentConfig, config_from_dict
+    from ddp_cli.data.pipeline.device_decode import DeferredBatch
+    from ddp_cli.data.pipeline.loaders import build_loaders
+    from ddp_cli.data.pipeline.transforms import to_model_input
+    from ddp_cli.index_build import resolve_dataset
+
+    raw = tomllib.loads((REPO / "configs/demo.toml").read_text())
+    raw["data"].update(workers=1, decode="gpu")
+    cfg = config_from_dict(raw)
+    entry, index = resolve_dataset(cfg, str(demo_registry))
+    fs, root = entry.open()
+    augment = AugmentConfig(policy="trivialaugment", random_erase=0.5, random_erase_value="random")
+    loaders = build_loaders(cfg.data, fs, root, index, 0, 1, cfg.seed, pin_memory=True, augment=augment)
+    batch = next(iter(loaders.train))
+    assert isinstance(batch.images, DeferredBatch) and batch.images.data.is_pinned()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x = to_model_input(batch.images, torch.device("cuda"), channels_last=True)
+        on_gpu = batch.images.to("cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.is_cuda and x.is_contiguous(memory_format=torch.channels_last)
+    diff = (on_gpu.cpu().int() - batch.images.to("cpu").int()).abs().float()
+    assert diff.mean() <= 3, diff.mean()

@@ -35,6 +35,20 @@ def test_bench_data_json_and_table(tmp_path):
     assert unknown.exit_code == 2 and "--policy autoaugmnet" in unknown.stderr
 
 
+def test_bench_data_full_decode_adds_a_row_per_policy_and_its_ratio(tmp_path):
+    make_imagenet_loc(tmp_path / "d", classes=2, train_per_class=4, val=2, size=64)
+    registry = write_registry(tmp_path, [{"name": "d", "layout": "imagenet-loc",
+                                          "storage": {"driver": "FileSystem", "path": "d"}}])
+    result = CliRunner().invoke(app, ["bench", "data", "d", "--registry", str(registry), "--workers", "0",
+                                      "--seconds", "1", "--batch-size", "4", "--image-size", "16",
+                                      "--full-decode", "--rounds", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    rate = {row["pipeline"]: row["images_per_second"] for row in out["rows"]}
+    assert set(rate) == {"ddp", "ddp_full_decode", "baseline"}
+    assert out["ratios_reduced_vs_full"]["none"] == rate["ddp"] / rate["ddp_full_decode"]
+
+
 def test_bench_data_needs_a_batch_of_files(tmp_path):
     make_imagenet_loc(tmp_path / "d", classes=2, train_per_class=2, val=2)
     registry = write_registry(tmp_path, [{"name": "d", "layout": "imagenet-loc",

@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,33 @@ def test_sigterm_with_every_augmentation_and_recipe_element_on_resumes_bit_ident
     step = torch.load(stopped, weights_only=True)["step_in_epoch"]
     assert step == 10  # mid-epoch (of 22): the first stop agreement after the signal (stop_check_steps 10)
     resumed = last_json(train(demo_registry, run_dir, *EVERYTHING, "--set", "train.epochs=2"))
+    assert_bit_identical(resumed, reference, run_dir, reference_dir)
+
+
+GPU_DECODE = ["--set", 'data.decode="gpu"']  # on CPU workers: the rank decodes, with the code a GPU runs
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_gpu_decode(demo_registry, tmp_path_factory):
+    """The reference of `uninterrupted`, its JPEGs decoded and augmented by the ranks (data.decode gpu)."""
+    run_dir = tmp_path_factory.mktemp("ref-gpu-decode") / "run"
+    out = train(demo_registry, run_dir, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2")
+    return last_json(out), run_dir
+
+
+def test_sigterm_with_gpu_decode_checkpoints_then_resume_ends_bit_identical(demo_registry, tmp_path,
+                                                                           uninterrupted_gpu_decode):
+    """Every augmentation drawn by the loaders and replayed by the rank: a stop and its resume end where
+    the unbroken run ends (test_demo_accuracy checks what it learns)."""
+    reference, reference_dir = uninterrupted_gpu_decode
+    assert tomllib.loads((reference_dir / "config.toml").read_text())["data"]["decode"] == "gpu"
+    run_dir = tmp_path / "run"
+    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                  str(run_dir), *EXACT, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2",
+                  env=SIGTERM_AFTER_STEP_6)
+    assert run.wait(timeout=120) == 143, run.stderr
+    assert "step-" in CheckpointStore(run_dir / "checkpoints", 1).latest_valid().name
+    resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2"))
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import random
 
 import fsspec
@@ -18,9 +19,9 @@ from ddp_cli.cli.plan import val_preprocessing
 from ddp_cli.cli.render import print_mapping
 from ddp_cli.config import AugmentConfig, DataConfig, RunConfig
 from ddp_cli.data.pipeline.augment import MEAN_PIXEL, augmentation, op_names, train_transform
-from ddp_cli.data.pipeline.images import open_image
+from ddp_cli.data.pipeline.images import decode, open_image
 from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset, eval_loader
-from ddp_cli.data.pipeline.transforms import MEAN, STD, ValTransform, crop_resize
+from ddp_cli.data.pipeline.transforms import MEAN, STD, ValTransform, crop_resize, random_resized_crop
 from ddp_cli.data.sources.packed import Split
 
 SEEDS = range(60)
@@ -42,7 +43,8 @@ def jpeg(pixels: torch.Tensor) -> bytes:
 
 def augmented(cfg: AugmentConfig, pixels: torch.Tensor, seed: int) -> torch.Tensor:
     torch.manual_seed(seed)
-    out = augmentation(cfg)(pixels.clone())
+    ops = augmentation(cfg)
+    out = ops.apply(pixels.clone(), ops.plan(pixels.shape[0]))
     assert out.dtype == torch.uint8 and out.shape == pixels.shape and out.is_contiguous()
     return out
 
@@ -251,3 +253,24 @@ def test_human_plan_prints_a_pipeline_one_step_per_line(capsys, monkeypatch):
     assert any("RandomResizedCrop(224)" in line and "Trivial" not in line for line in lines)
     assert any("TrivialAugmentWide(bilinear)" in line for line in lines)
     assert any("[1, 2]" in line for line in lines)
+
+
+@pytest.mark.parametrize("policy", ["trivialaugment", "randaugment", "autoaugment"])
+def test_a_planned_crop_is_drawn_and_rendered_as_the_pipeline_always_did(policy):
+    """The pipeline draws first (`TrainTransform.plan`, `Augmentation.plan` on a stand-in) and renders
+    after; a reference written as it ran before that split (crop, decode, flip, the v2 ops live on PIL,
+    erasing) gives the same bytes, so runs from before resume exactly and data.decode = "gpu" draws alike."""
+    cfg = AugmentConfig(policy=policy, color_jitter=0.3, random_erase=0.5, random_erase_value="random")
+    transform, ops = train_transform(DataConfig(image_size=24, min_crop_scale=0.2), cfg), augmentation(cfg)
+    img = open_image(jpeg(photo(96)))
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        top, left, h, w = random_resized_crop(96, 96, (0.2, 1.0), (3 / 4, 4 / 3))
+        pixels, k = decode(img, math.ceil(96 * 24 / min(w, h)), math.ceil(96 * 24 / min(w, h)))
+        out = crop_resize(pixels, (top * k, left * k, h * k, w * k), 24)
+        if torch.rand(()) < 0.5:
+            out = out.flip(1)
+        out = torch.from_numpy(np.array(ops.on_image(Image.fromarray(out.numpy()))))
+        reference = ops.on_tensor(out.permute(2, 0, 1)).permute(1, 2, 0)
+        torch.manual_seed(seed)
+        assert torch.equal(transform(img), reference), seed

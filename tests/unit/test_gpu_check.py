@@ -171,3 +171,131 @@ def test_bench_step_on_cuda_without_a_gpu_is_refused_before_any_worker():
     refused = ddp_in_process("bench", "step", "--device", "cuda", "--json")
     assert refused.returncode == 2 and "--device cuda: 0 CUDA GPUs here" in refused.stdout
     assert ddp_in_process("bench", "step", "--device", "tpu").returncode == 2
+
+
+# ---- the input stage ----------------------------------------------------------------------------------
+
+
+def test_cpu_time_busy_share_and_peak_memory_from_the_samples():
+    stat = "cpu  100 5 50 800 45 0 10 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n"
+    assert gc.cpu_jiffies(stat) == (165, 1010)  # idle (800) and iowait (45) are not busy
+    samples = [(1.0, 100, 1000), (2.0, 160, 1100), (3.0, 250, 1200), (4.0, 260, 1300)]
+    assert gc.busy_between(samples, 2.5, 3.5) == pytest.approx(100 / 200)  # samples 2.0 to 4.0
+    assert gc.busy_between(samples, 0.5, 3.0) is None  # nothing before the start
+    assert gc.busy_between(samples, 2.0, 9.0) is None  # nothing after the end
+    assert gc.peak_memory(["1200", "81000", "  640 ", "[N/A]"]) == 81000.0
+    assert gc.peak_memory([]) is None
+
+
+def test_the_steady_rate_leaves_out_the_first_logging_window():
+    records = [{"split": "startup", "time": 0.0}, {"split": "train", "step": 4, "time": 10.0},
+               {"split": "train", "step": 8, "time": 10.5}, {"split": "train", "step": 16, "time": 11.0},
+               {"split": "val", "step": 16, "time": 12.0}]
+    assert gc.steady_rate(records, 256) == (12 * 256 / 1.0, 10.0, 11.0)
+    earlier = [{"split": "startup", "time": -9.0}, {"split": "train", "step": 4, "time": -5.0}]
+    assert gc.steady_rate(earlier + records, 256) == (12 * 256 / 1.0, 10.0, 11.0)  # the last run's only
+    with pytest.raises(gc.Failed, match="1 logging windows"):
+        gc.steady_rate(records[:2], 256)
+
+
+class Watched:
+    """A monitor that saw the CPU `busy` and `peak` MiB used."""
+
+    def __init__(self, busy: float, peak: float) -> None:
+        self.busy, self.peak = busy, peak
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def busy_share(self, start: float, end: float) -> float:
+        return self.busy
+
+    def peak_mib(self) -> float:
+        return self.peak
+
+
+class InputContext(Canned):
+    """The input stage's `ddp` answers: bench step at `synthetic` img/s, each run at its rate; the JPEGs
+    taken as made."""
+
+    def __init__(self, work: Path, synthetic: float, rates: dict[str, float], gpu: str) -> None:
+        step = {"rows": [{"loop": "ddp", "channels_last": True, "precision": "bf16",
+                          "images_per_second": synthetic, "peak_memory_mib": 30000.0},
+                         {"loop": "ddp", "channels_last": False, "precision": "fp32",
+                          "images_per_second": 1.0, "peak_memory_mib": 1.0}]}
+        super().__init__(work, {"bench step": step, "train configs/resnet50.toml": self.train},
+                         {"driver": {"gpus": [{"name": gpu}]}})
+        self.rates, self.runs = rates, []
+        self.monitor = lambda: Watched(0.4, 42000.0)
+
+    def run(self, *argv: str):
+        assert argv[1] == "benchmarks/make_jpegs.py" and "--copies" in argv
+        return gc.subprocess.CompletedProcess(argv, 0, "6400 JPEGs, mean 108 KB", "")
+
+    def train(self, args):
+        """Logging windows at steps 4, 8, 12, 16, one second apart after the first: the run's rate."""
+        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+        name = ("gpu_decode_compiled" if "train.compile=true" in sets else
+                "gpu_decode" if 'data.decode="gpu"' in sets else "cpu_decode")
+        self.runs.append((name, args[args.index("--nproc-per-node") + 1], sets))
+        run_dir = Path(args[args.index("--run-dir") + 1])
+        run_dir.mkdir(parents=True)
+        seconds = 4 * gc.INPUT_BATCH / self.rates[name]
+        records = [{"split": "train", "step": 4 * k, "time": 100 + k * seconds} for k in range(1, 5)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return {"epochs": 1, "images_per_second": 0.8 * self.rates[name],
+                "final": {"images": gc.INPUT_VAL, "loss": 6.9, "top1": 0.1}}
+
+
+RATES = {"cpu_decode": 1500.0, "gpu_decode": 3100.0, "gpu_decode_compiled": 3300.0}
+
+
+def test_the_input_stage_measures_each_decode_against_synthetic_and_holds_its_goal_on_h100s(tmp_path,
+                                                                                            monkeypatch):
+    monkeypatch.setattr(gc.os, "cpu_count", lambda: 16)
+    ctx = InputContext(tmp_path, 3300.0, RATES, "NVIDIA H100 80GB HBM3")
+    line, data = gc.check_input(ctx)
+    assert [name for name, _, _ in ctx.runs] == ["cpu_decode", "gpu_decode", "gpu_decode_compiled"]
+    assert all(nproc == "1" and "data.batch_size=256" in sets and 'train.precision="bf16"' in sets
+               and "model.channels_last=true" in sets for _, nproc, sets in ctx.runs)
+    runs = data["runs"]
+    assert runs["gpu_decode"]["images_per_second"] == pytest.approx(3100.0)
+    assert runs["cpu_decode"]["ratio_to_synthetic"] == pytest.approx(1500 / 3300)
+    assert (runs["gpu_decode"]["cpu_busy_share"], runs["gpu_decode"]["peak_gpu_memory_mib"]) == (0.4, 42000.0)
+    assert data["synthetic"] == {"images_per_second": 3300.0, "peak_memory_mib": 30000.0}
+    assert data["goal_applies"] and data["goal"] == gc.INPUT_GOAL
+    assert line.startswith("synthetic 3,300 img/s; cpu decode 1,500 img/s x0.45 (CPU 40%, 41.0 GiB); "
+                           "gpu decode 3,100 img/s x0.94")
+
+
+@pytest.mark.parametrize(("rates", "why"), [
+    ({**RATES, "gpu_decode": 2900.0}, "want GPU decode >= x0.9"),  # x0.88
+    ({**RATES, "gpu_decode": 2990.0, "gpu_decode_compiled": 2995.0}, r"and >= 3,000 img/s"),
+])
+def test_the_input_stage_fails_short_of_its_goal_where_it_applies(tmp_path, monkeypatch, rates, why):
+    monkeypatch.setattr(gc.os, "cpu_count", lambda: 16)
+    synthetic = 3300.0 if rates["gpu_decode"] == 2900.0 else 3000.0
+    with pytest.raises(gc.Failed, match=why) as failed:
+        gc.check_input(InputContext(tmp_path, synthetic, rates, "NVIDIA H200"))
+    assert failed.value.data["runs"]["gpu_decode"]["images_per_second"] == pytest.approx(rates["gpu_decode"])
+
+
+@pytest.mark.parametrize(("gpu", "cpus"), [("NVIDIA A10G", 16), ("NVIDIA H100 PCIe", 8)])
+def test_the_input_stage_reports_without_its_goal_elsewhere(tmp_path, monkeypatch, gpu, cpus):
+    monkeypatch.setattr(gc.os, "cpu_count", lambda: cpus)
+    line, data = gc.check_input(InputContext(tmp_path, 3300.0, {**RATES, "gpu_decode": 900.0}, gpu))
+    assert not data["goal_applies"] and f"not applied on {gpu}" in line
+
+
+def test_the_input_stage_lands_in_the_report_and_summary(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gc.os, "cpu_count", lambda: 16)
+    ctx = InputContext(tmp_path / "work", 3300.0, RATES, "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(gc, "Context", lambda out: ctx)
+    assert gc.main(["--out", str(tmp_path)], stages=[gc.Stage("input", 240, gc.check_input)]) == 0
+    (stage,) = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert stage["status"] == "ok" and stage["data"]["runs"]["gpu_decode"]["ratio_to_synthetic"] > 0.9
+    out = capsys.readouterr().out  # the table folds the line at the terminal's width
+    assert "synthetic" in out and "x0.94" in out and "all held" in out

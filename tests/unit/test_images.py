@@ -267,3 +267,17 @@ def test_to_model_input_channels_last():
     assert nhwc.is_contiguous(memory_format=torch.channels_last)
     assert not nhwc.is_contiguous()
     torch.testing.assert_close(nhwc, plain)
+
+
+def test_dct_scaling_off_decodes_every_image_whole(monkeypatch):
+    """`ddp bench data --full-decode`'s pipeline: the same crops, each from the whole image."""
+    from ddp_cli.data.pipeline import transforms
+
+    asked = []
+    real = transforms.decode
+    monkeypatch.setattr(transforms, "decode", lambda img, w, h: asked.append((w, h)) or real(img, w, h))
+    img = open_image(encode(gradient(400, 300), "JPEG", quality=90))
+    for scaling in (True, False):
+        torch.manual_seed(0)
+        TrainTransform(32, dct_scaling=scaling)(img)
+    assert asked[0] < (400, 300) and asked[1] == (400, 300)

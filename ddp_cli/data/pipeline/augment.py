@@ -11,17 +11,27 @@ a slice assignment, stays on the tensor.
 Every random draw is v2's (its `make_params`, torch's global RNG), which
 `EpochItems` seeds per (seed, epoch, index): a sample is augmented the same way
 whatever the loader processes, and a resumed run sees the same pixels.
+
+The draws and the pixels are apart: `Augmentation.plan` runs the ops on a
+stand-in image (`Drawing`) whose kernels only record each v2 functional called
+and its arguments (`Steps`), and `replay` applies them to pixels: PIL's kernels
+in the loader processes, v2's tensor kernels where the rank decodes on its
+device (data.decode = "gpu", `device_decode.py`). Same draws, same order,
+whichever pixels they end on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+from torchvision import tv_tensors
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
 
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.pipeline.transforms import MEAN, STD, TrainTransform
@@ -29,6 +39,15 @@ from ddp_cli.data.pipeline.transforms import MEAN, STD, TrainTransform
 INTERPOLATION = {"bilinear": v2.InterpolationMode.BILINEAR, "bicubic": v2.InterpolationMode.BICUBIC}
 MEAN_PIXEL = tuple(round(255 * m) for m in MEAN)  # what 0 is after normalisation
 Ops = list[tuple[str, v2.Transform]]  # each op with its name for the plan, in the order they run
+Step = tuple[Callable, dict[str, Any]]  # a v2 functional and the keyword arguments an op drew for it
+Steps = tuple[list[Step], list[Step]]  # on the image (the policy, jitter), then on the tensor (erasing)
+NO_STEPS: Steps = ([], [])
+# Every functional the policies, jitter and erasing call: each gets a recording kernel for `Drawing`.
+# One missing would run the real kernel on the stand-in and go unrecorded (test_augment replays every
+# policy against the live op to catch that).
+RECORDED = (F.affine, F.rotate, F.adjust_brightness, F.adjust_contrast, F.adjust_saturation,
+            F.adjust_sharpness, F.adjust_hue, F.posterize, F.solarize, F.autocontrast, F.equalize,
+            F.invert, F.erase)
 
 
 class PixelErasing(v2.RandomErasing):
@@ -87,17 +106,62 @@ def compose(ops: Ops) -> v2.Compose | None:
     return v2.Compose([op for _, op in ops]) if ops else None
 
 
+class Drawing(tv_tensors.Image):
+    """A stand-in image: the ops draw their parameters on it as on real pixels (its size is the crop's),
+    and its kernels record the calls (`drawn`) instead of computing."""
+
+
+drawn: list[Step] = []  # the calls recorded since `Augmentation.plan` began (one plan at a time)
+
+
+def _recording(functional: Callable) -> Callable:
+    def kernel(image: Drawing, **kwargs: Any) -> Drawing:
+        drawn.append((functional, kwargs))
+        return image
+    return kernel
+
+
+for _functional in RECORDED:
+    F.register_kernel(_functional, Drawing)(_recording(_functional))
+
+
+def replay(image: Any, steps: list[Step], device: torch.device | None = None) -> Any:
+    """`steps` applied to `image` (a PIL image, or a CHW tensor: v2 picks the kernel); tensor arguments
+    (erasing's values) moved to `device`, from pinned memory where they come from a loader's batch."""
+    for functional, kwargs in steps:
+        if device is not None:
+            kwargs = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                      for k, v in kwargs.items()}
+        image = functional(image, **kwargs)
+    return image
+
+
 class Augmentation:
-    """The per-image ops on one uint8 HWC crop (a fresh tensor, which erasing overwrites)."""
+    """The per-image ops on one uint8 HWC crop (a fresh tensor, which erasing overwrites): drawn by
+    `plan`, applied by `apply`."""
 
     def __init__(self, cfg: AugmentConfig) -> None:
         self.on_image, self.on_tensor = compose(image_ops(cfg)), compose(tensor_ops(cfg))
 
-    def __call__(self, hwc: torch.Tensor) -> torch.Tensor:
-        if self.on_image:
-            hwc = torch.from_numpy(np.array(self.on_image(Image.fromarray(hwc.numpy()))))
-        if self.on_tensor:
-            hwc = self.on_tensor(hwc.permute(2, 0, 1)).permute(1, 2, 0)
+    def plan(self, size: int) -> Steps:
+        """The ops' draws for a size x size crop, in the order the ops make them."""
+        stand_in = torch.zeros((), dtype=torch.uint8).expand(3, size, size).as_subclass(Drawing)
+        steps = []
+        for ops in (self.on_image, self.on_tensor):
+            drawn.clear()
+            if ops:
+                ops(stand_in)
+            steps.append(list(drawn))
+        drawn.clear()
+        return steps[0], steps[1]
+
+    def apply(self, hwc: torch.Tensor, steps: Steps) -> torch.Tensor:
+        """`steps` on a CPU crop: the image's through PIL's kernels, erasing on the tensor."""
+        on_image, on_tensor = steps
+        if on_image:
+            hwc = torch.from_numpy(np.array(replay(Image.fromarray(hwc.numpy()), on_image)))
+        if on_tensor:
+            hwc = replay(hwc.permute(2, 0, 1), on_tensor).permute(1, 2, 0)
         return hwc
 
 
@@ -106,7 +170,9 @@ def augmentation(cfg: AugmentConfig) -> Augmentation | None:
     return Augmentation(cfg) if op_names(cfg) else None
 
 
-def train_transform(data: DataConfig, augment: AugmentConfig, size: int | None = None) -> TrainTransform:
-    """A run's train pipeline (crop side `size`, default data.image_size)."""
+def train_transform(data: DataConfig, augment: AugmentConfig, size: int | None = None,
+                    defer: bool = False, dct_scaling: bool = True) -> TrainTransform:
+    """A run's train pipeline (crop side `size`, default data.image_size); `defer`: the JPEGs the device
+    decodes are left to the rank (data.decode = "gpu")."""
     return TrainTransform(size or data.image_size, data.min_crop_scale, data.hflip, augment.interpolation,
-                          augmentation(augment))
+                          augmentation(augment), defer, dct_scaling)

@@ -23,12 +23,18 @@ from PIL import Image, UnidentifiedImageError
 
 Image.MAX_IMAGE_PIXELS = 200_000_000  # the largest ImageNet image is ~30 MP; beyond this is a bomb
 JPEG_MAGIC = b"\xff\xd8"
+JPEG_END = b"\xff\xd9"  # EOI: the last marker of a whole JPEG
 FAST_COLORSPACES = ("YCbCr", "Gray")  # what libjpeg-turbo turns into RGB exactly as PIL does
 SCALES = (8, 4, 2)  # DCT scaling that pays: 1/8, 1/4, 1/2
 
 
 class BadImage(Exception):
     """An image that cannot be used; the message is the reason."""
+
+
+def bad_image_message(where: str, reason: str) -> str:
+    """What stops a run under data.on_bad_image = "error"."""
+    return f'bad image {where}: {reason} (set data.on_bad_image = "skip" to skip it)'
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,12 @@ def decode(img: EncodedImage, min_width: int = 0, min_height: int = 0) -> tuple[
     except (OSError, SyntaxError, ValueError) as e:
         raise BadImage("truncated" if "runcated" in str(e) else f"corrupt ({e})") from e
     return torch.from_numpy(np.array(rgb, dtype=np.uint8)), rgb.width / img.width
+
+
+def device_decodable(img: EncodedImage) -> bool:
+    """A JPEG nvJPEG decodes as libjpeg-turbo does (YCbCr or grayscale), whole (ending in its EOI
+    marker): the rest (CMYK, PNG named .JPEG, truncated) is decoded on the CPU, where PIL judges it."""
+    return img.fast and img.data.endswith(JPEG_END)
 
 
 def decode_rgb(data: bytes) -> torch.Tensor:

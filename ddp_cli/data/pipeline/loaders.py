@@ -27,10 +27,11 @@ from ddp_cli.data.fetch.row_groups import NodeGroups, group_folder
 from ddp_cli.data.fetch.shard_reader import ShardReader
 from ddp_cli.data.fetch.storage import FileReader, UnsafePath
 from ddp_cli.data.pipeline.augment import train_transform
-from ddp_cli.data.pipeline.images import BadImage, EncodedImage, open_image
+from ddp_cli.data.pipeline.device_decode import DeferredBatch, collate_images
+from ddp_cli.data.pipeline.images import BadImage, EncodedImage, bad_image_message, open_image
 from ddp_cli.data.pipeline.sampler import ShardSampler, shard_sequence
 from ddp_cli.data.pipeline.seeds import derived_seed
-from ddp_cli.data.pipeline.transforms import ValTransform
+from ddp_cli.data.pipeline.transforms import Deferred, ValTransform
 from ddp_cli.data.sources.packed import PARQUET, Split
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import DataError
@@ -119,13 +120,15 @@ class ImageDataset(Dataset):
             candidate = (index + attempt * 7919) % len(self.paths)  # a prime stride
             where = f"{self.reader.root}/{self.paths[candidate]}"
             try:
-                return self.load(candidate), int(self.labels[candidate]), "\n".join(skipped), ""
+                image = self.load(candidate)
+                if isinstance(image, Deferred):  # decoded by the rank: should its decoder refuse it
+                    image = image.located(where, self.on_bad_image)
+                return image, int(self.labels[candidate]), "\n".join(skipped), ""
             except BadImage as e:
                 if self.on_bad_image == "report":  # predict: the reason is the answer for this input
                     return self.failed(index, str(e))
                 if self.on_bad_image == "error":
-                    return self.failed(index, f"bad image {where}: {e} "
-                                              '(set data.on_bad_image = "skip" to skip it)')
+                    return self.failed(index, bad_image_message(where, str(e)))
                 skipped.append(where)
             except DataError as e:
                 return self.failed(index, str(e))
@@ -228,14 +231,18 @@ def start_loader_process(worker_id: int) -> None:
 class Batch(NamedTuple):
     """What every loader yields: the items of `ImageDataset`, collated (a field per item part)."""
 
-    images: torch.Tensor  # uint8, N x H x W x C (`to_model_input` makes the model's input)
+    images: torch.Tensor | DeferredBatch  # uint8, N x H x W x C (`to_model_input` makes the model's input)
     labels: torch.Tensor  # int64
     skipped: Sequence[str]  # per item: the bad files it stands in for, newline-joined ("" if none)
     errors: Sequence[str]  # per item: a message to raise ("" if none)
 
 
 def collate(items: list[tuple]) -> Batch:
-    """The DataLoader's collate_fn: the default one, read by name."""
+    """The DataLoader's collate_fn: the default one, read by name; images the rank decodes (data.decode =
+    "gpu") packed with the rest as one `DeferredBatch`."""
+    if any(isinstance(item[0], Deferred) for item in items):
+        images = collate_images([item[0] for item in items])
+        return Batch(images, *default_collate([item[1:] for item in items]))
     return Batch(*default_collate(items))
 
 
@@ -303,7 +310,7 @@ def build_loaders(
                       interpolation=augment.interpolation)
     if not train:
         return Loaders(None, val, None)
-    transform = train_transform(cfg, augment)
+    transform = train_transform(cfg, augment, defer=cfg.decode == "gpu")
     split = index.splits["train"]
     dataset = ImageDataset(fs, root, split, transform, cfg.on_bad_image, transform.size, cfg.cache_dir,
                            shard_cache(cfg), IoPolicy.of(cfg), cfg.shuffle_shards)

@@ -1,7 +1,10 @@
 """Train and val pipelines: decode only the pixels needed, crop+resize in one call, uint8 out.
 
 Each pipeline knows its crop before decoding, so the decoder can shrink the
-image in the DCT (`images.decode`), and the crop and resize are one
+image in the DCT (`images.decode`): the crop is drawn first (`TrainTransform.plan`,
+with the flip and the augmentation's draws), then rendered (`render`) or, with
+data.decode = "gpu", handed over compressed for the rank to render on its device
+(`Deferred`, `device_decode.py`). The crop and resize are one
 antialiased bilinear `interpolate` on uint8 (PyTorch's vectorised path, the
 same filter as PIL's, several times faster; bicubic too, PIL's filter to the
 pixel, overshoot saturated). The train crop then gets the run's per-image
@@ -14,13 +17,14 @@ normalisation (ImageNet's, or the run's `data.mean` and `data.std`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ddp_cli.config import DataConfig
-from ddp_cli.data.pipeline.images import EncodedImage, decode
+from ddp_cli.data.pipeline.images import EncodedImage, decode, device_decodable
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -34,25 +38,73 @@ def normalising(data: DataConfig) -> Norm:
     return data.mean or MEAN, data.std or STD
 
 
+class Augment(Protocol):
+    """The per-image augmentation (`augment.Augmentation`): its draws apart from its pixels."""
+
+    def plan(self, size: int) -> Any: ...
+
+    def apply(self, hwc: torch.Tensor, steps: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every random draw of one training image, made in the loader process from the seeded stream."""
+
+    box: tuple[int, int, int, int]  # the crop: top, left, height, width in the source's pixels
+    flip: bool
+    size: int  # the output side
+    steps: Any = None  # the augmentation's draws (`augment.Steps`), None without one
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """An image the rank decodes and renders on its device (data.decode = "gpu"): its compressed bytes
+    and its plan; where it was read, and the bad-image policy, should the device's decoder refuse it."""
+
+    data: bytes
+    plan: Plan
+    interpolation: str
+    where: str = ""
+    on_bad_image: str = "error"
+
+    def located(self, where: str, on_bad_image: str) -> Deferred:
+        return replace(self, where=where, on_bad_image=on_bad_image)
+
+
 class TrainTransform:
     """RandomResizedCrop + optional horizontal flip, decoding only as many pixels as needed, then
-    `augment` (uint8 HWC in and out)."""
+    `augment` (uint8 HWC in and out). With `defer` (data.decode = "gpu"), a JPEG the device's decoder
+    takes comes out `Deferred` instead, drawn alike; any other image is rendered here."""
 
     def __init__(self, size: int, min_scale: float = 0.08, hflip: bool = True,
-                 interpolation: str = "bilinear",
-                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 interpolation: str = "bilinear", augment: Augment | None = None,
+                 defer: bool = False, dct_scaling: bool = True) -> None:
         self.size, self.scale, self.hflip = size, (min_scale, 1.0), hflip
         self.ratio = (3 / 4, 4 / 3)
-        self.interpolation, self.augment = interpolation, augment
+        self.interpolation, self.augment, self.defer = interpolation, augment, defer
+        self.dct_scaling = dct_scaling  # off: every image decoded whole (`ddp bench data --full-decode`)
 
-    def __call__(self, img: EncodedImage) -> torch.Tensor:
-        top, left, h, w = random_resized_crop(img.width, img.height, self.scale, self.ratio)
-        reduce = min(w, h) / self.size
+    def __call__(self, img: EncodedImage) -> torch.Tensor | Deferred:
+        plan = self.plan(img)
+        if self.defer and device_decodable(img):
+            return Deferred(img.data, plan, self.interpolation)
+        return self.render(img, plan)
+
+    def plan(self, img: EncodedImage) -> Plan:
+        """The draws, in their order since ddp began: the crop, the flip, the augmentation's."""
+        box = random_resized_crop(img.width, img.height, self.scale, self.ratio)
+        flip = bool(self.hflip and torch.rand(()) < 0.5)
+        return Plan(box, flip, self.size, self.augment.plan(self.size) if self.augment else None)
+
+    def render(self, img: EncodedImage, plan: Plan) -> torch.Tensor:
+        """The planned crop, decoded at the smallest DCT scale that still covers it at `plan.size`."""
+        top, left, h, w = plan.box
+        reduce = min(w, h) / plan.size if self.dct_scaling else 1.0
         pixels, k = decode(img, math.ceil(img.width / reduce), math.ceil(img.height / reduce))
-        out = crop_resize(pixels, (top * k, left * k, h * k, w * k), self.size, self.interpolation)
-        if self.hflip and torch.rand(()) < 0.5:
+        out = crop_resize(pixels, (top * k, left * k, h * k, w * k), plan.size, self.interpolation)
+        if plan.flip:
             out = out.flip(1)
-        return self.augment(out) if self.augment else out
+        return self.augment.apply(out, plan.steps) if self.augment else out
 
 
 class ValTransform:
@@ -93,15 +145,19 @@ def random_resized_crop(
 
 
 def crop_resize(pixels: torch.Tensor, box: tuple[float, float, float, float], size: int,
-                mode: str = "bilinear") -> torch.Tensor:
+                mode: str = "bilinear", in_float: bool = False) -> torch.Tensor:
     """The (top, left, height, width) box of an HWC uint8 image, resized (antialiased bilinear or bicubic)
-    to size x size HWC uint8."""
+    to size x size HWC uint8; `in_float`: resized in float32 and rounded (CUDA has no uint8 kernel)."""
     top, left, h, w = box
     y0, x0 = max(0, round(top)), max(0, round(left))
     y1 = min(pixels.shape[0], max(y0 + 1, round(top + h)))
     x1 = min(pixels.shape[1], max(x0 + 1, round(left + w)))
     crop = pixels[y0:y1, x0:x1].unsqueeze(0).permute(0, 3, 1, 2)  # NCHW view of NHWC memory
+    if in_float:
+        crop = crop.float()
     out = F.interpolate(crop, size=(size, size), mode=mode, antialias=True, align_corners=False)
+    if in_float:
+        out = out.round_().clamp_(0, 255).to(torch.uint8)
     return out[0].permute(1, 2, 0).contiguous()  # channels_last in, channels_last out: no copy
 
 

@@ -68,12 +68,12 @@ class TwoViews:
     def __init__(self, data: DataConfig, augment: AugmentConfig, semi: SemiConfig) -> None:
         hflip = data.hflip and semi.weak == "flip+crop"
         self.weak = TrainTransform(data.image_size, semi.crop_scale, hflip, augment.interpolation)
-        self.strong = TrainTransform(data.image_size, semi.crop_scale, hflip, augment.interpolation,
-                                     StrongAugment(semi, augment.interpolation))
+        self.strong = TrainTransform(data.image_size, semi.crop_scale, hflip, augment.interpolation)
+        self.strong_augment = StrongAugment(semi, augment.interpolation)  # after the strong crop's draws
         self.size = data.image_size
 
     def __call__(self, img: EncodedImage) -> torch.Tensor:
-        return torch.stack([self.weak(img), self.strong(img)])
+        return torch.stack([self.weak(img), self.strong_augment(self.strong(img))])
 
 
 def view_names(data: DataConfig, augment: AugmentConfig, semi: SemiConfig) -> dict[str, list[str]]:

@@ -1,0 +1,204 @@
+"""data.decode = "gpu": the rank decodes its batch's JPEGs on its own device and renders them there.
+
+The loader processes do what they always did up to the pixels: read each file,
+judge its header, apply the bad-image policy, and draw its crop, flip and
+augmentation from the seeded stream (`TrainTransform.plan`); a JPEG the device
+decodes then travels compressed with its plan (`Deferred`), any other image
+(CMYK, PNG named .JPEG, truncated) is rendered in the loader as on the CPU path.
+`collate` packs a batch's bytes end to end in one tensor (one shared-memory
+segment, one pinned buffer) beside the rows already rendered.
+
+On the rank, `DeferredBatch.to(device)` (what the trainer calls on a batch's
+images) decodes the JPEGs in one batched call (torchvision.io.decode_jpeg: nvJPEG
+on a GPU, libjpeg-turbo on a CPU), then per image crops and resizes (in float:
+CUDA's antialiased resize has no uint8 kernel; rounded back to uint8 as the CPU
+path's), flips, and replays the augmentation's steps through v2's tensor kernels
+(`augment.replay`); the normalisation is the batch's, as for every batch
+(`to_model_input`). Nothing is read back to the host: the two places where
+torchvision's tensor kernels would wait for the device (a tensor made from Python
+numbers on it, a boolean-mask assignment) are rewritten by `queued` into queued
+equivalents (tests/gpu_rules, tests/unit/test_device_decode). One wait is
+torchvision's own and stays: its nvJPEG decoder works on a stream of its own
+(baseline JPEGs on the GPU's hardware JPEG engines where it has them, A100 and
+later) and synchronises that stream before returning, so the host waits for the
+batch's decode, not for the training queued before it, which the GPU runs
+meanwhile: the step keeps pace as long as the decode and the step's launches
+take less host time than the step takes the GPU. The per-image work is launched
+image by image (each crop differs in size and place): some ten kernels an image,
+twice that with a policy op, which `make gpu-check`'s input stage weighs.
+
+An image the device's decoder refuses anyway is decoded on the rank's CPU
+(`images.decode`, PIL judging it) and goes on through the same steps; one PIL
+refuses too is a bad image: under "error" the run stops naming it, under "skip"
+its row stays blank, with a warning naming it (the loader's header checks make
+this rare: they catch what PIL calls truncated or unreadable).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torchvision
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from ddp_cli.config import RunConfig
+from ddp_cli.data.pipeline.augment import replay
+from ddp_cli.data.pipeline.images import BadImage, bad_image_message, decode_rgb
+from ddp_cli.data.pipeline.transforms import Deferred, crop_resize
+from ddp_cli.errors import DataError
+
+log = logging.getLogger("ddp")
+HOST_DATA = (torch.tensor, torch.as_tensor)
+
+
+@dataclass
+class DeferredBatch:
+    """A training batch whose JPEGs the rank decodes: `to(device)` makes its uint8 N x S x S x C images."""
+
+    size: int  # S, the crop's side
+    pixels: torch.Tensor  # R x S x S x 3 uint8: the rows the loader rendered (CMYK, PNG, a bad one's blank)
+    pixel_rows: list[int]  # their rows in the batch
+    data: torch.Tensor  # the deferred rows' JPEG files, end to end (uint8)
+    ends: list[int]  # where each file ends in `data`
+    rows: list[int]  # the batch row of each deferred image
+    items: list[Deferred]  # their plans (their `data` emptied: it is in `data`)
+
+    def __len__(self) -> int:
+        return len(self.pixel_rows) + len(self.rows)
+
+    def pin_memory(self) -> DeferredBatch:
+        """Pinned, as the DataLoader pins a batch (so every copy to the GPU is asynchronous): the rows,
+        the files and the augmentation's tensors (erasing's values)."""
+        items = [replace(item, plan=replace(item.plan, steps=_pinned(item.plan.steps)))
+                 for item in self.items]
+        return replace(self, pixels=self.pixels.pin_memory(), data=self.data.pin_memory(), items=items)
+
+    def files(self) -> list[torch.Tensor]:
+        starts = [0, *self.ends[:-1]]
+        return [self.data[start:end] for start, end in zip(starts, self.ends, strict=True)]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
+        """The batch's uint8 N x S x S x C images on `device`, decoded and rendered there (queued:
+        nothing waits for the device, whatever `non_blocking` says)."""
+        device = torch.device(device)
+        out = torch.empty((len(self), self.size, self.size, 3), dtype=torch.uint8, device=device)
+        if self.pixel_rows:
+            rendered = self.pixels.to(device, non_blocking=True)
+            for i, row in enumerate(self.pixel_rows):
+                out[row] = rendered[i]
+        files = self.files()
+        with queued(device):
+            decoded = decode_jpegs(files, device)
+            for row, item, data, image in zip(self.rows, self.items, files, decoded, strict=True):
+                hwc = image.permute(1, 2, 0) if image is not None else on_cpu(data, item, device)
+                if hwc is None:
+                    out[row].zero_()
+                else:
+                    out[row] = render(hwc, item, device)
+        return out
+
+
+def on_cpu(data: torch.Tensor, item: Deferred, device: torch.device) -> torch.Tensor | None:
+    """An image the device's decoder refused, decoded on the CPU (PIL judges it) and put on `device`;
+    None for a bad image under "skip" (its row stays blank), DataError under "error"."""
+    try:
+        pixels = decode_rgb(data.numpy().tobytes())
+    except BadImage as e:
+        if item.on_bad_image != "skip":
+            raise DataError(bad_image_message(item.where, str(e))) from e
+        log.warning("bad image %s: %s; its row of the batch is left blank", item.where, e)
+        return None
+    return _pinned(pixels, device).to(device, non_blocking=True)
+
+
+def render(hwc: torch.Tensor, item: Deferred, device: torch.device) -> torch.Tensor:
+    """A decoded image's plan on its device: the crop resized, flipped, the augmentation's steps."""
+    plan = item.plan
+    out = crop_resize(hwc, plan.box, plan.size, item.interpolation, in_float=True)
+    if plan.flip:
+        out = out.flip(1)
+    if plan.steps:
+        on_image, on_tensor = plan.steps
+        out = replay(out.permute(2, 0, 1), on_image + on_tensor, device).permute(1, 2, 0)
+    return out
+
+
+def decode_choice(cfg: RunConfig, device: str) -> str:
+    """data.decode made concrete for workers on `device` (cuda | cpu): auto is "gpu" where they train on
+    CUDA, this torchvision decodes there (its CUDA builds have nvJPEG) and the policy replays there."""
+    if cfg.data.decode != "auto":
+        return cfg.data.decode
+    can = device == "cuda" and torchvision.version.cuda is not None and not cfg.augment.bicubic_policy()
+    return "gpu" if can else "cpu"
+
+
+def decode_jpegs(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """RGB CHW uint8 images on `device`, decoded there in one batched call; where the batch is refused,
+    each image alone, None for those refused alone."""
+    try:
+        return list(decode_jpeg(files, mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:
+        return [_decoded_alone(data, device) for data in files]
+
+
+def _decoded_alone(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        return None
+
+
+def collate_images(images: Sequence[torch.Tensor | Deferred]) -> DeferredBatch:
+    """A batch of rendered rows and deferred JPEGs as one `DeferredBatch` (the loader process's collate):
+    the files end to end in one tensor, the rendered rows in another (empty, as a rule)."""
+    deferred = [(row, image) for row, image in enumerate(images) if isinstance(image, Deferred)]
+    rendered = [(row, image) for row, image in enumerate(images) if not isinstance(image, Deferred)]
+    size = deferred[0][1].plan.size
+    pixels = (torch.stack([image for _, image in rendered]) if rendered
+              else torch.empty((0, size, size, 3), dtype=torch.uint8))
+    files = [image.data for _, image in deferred]
+    data = torch.frombuffer(bytearray(b"".join(files)), dtype=torch.uint8)
+    ends = torch.tensor([len(f) for f in files]).cumsum(0).tolist()
+    return DeferredBatch(size, pixels, [row for row, _ in rendered], data, ends, [row for row, _ in deferred],
+                         [replace(image, data=b"") for _, image in deferred])
+
+
+def _pinned(tree: Any, device: torch.device | None = None) -> Any:
+    """`tree`'s tensors in pinned memory (where a GPU is: pinning needs one; `device` a CPU: as they are)."""
+    if device is not None and device.type == "cpu":
+        return tree
+    return tree_map(lambda t: t.pin_memory() if isinstance(t, torch.Tensor) else t, tree)
+
+
+class queued(TorchFunctionMode):  # noqa: N801 - a context manager, like torch's modes
+    """The two waits for the device in torchvision's tensor kernels, rewritten into queued equivalents:
+    `torch.tensor(numbers, device=D)` (an affine's matrix, a sharpness kernel), a blocking copy as
+    written, made on the host, pinned and copied asynchronously; `x[mask] = number` with a boolean mask
+    of x's shape (autocontrast's flat channels), which counts the mask on the host, as `masked_fill_`."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = kwargs.get("device")
+        if func in HOST_DATA and target is not None and torch.device(target).type == self.device.type \
+                and not any(isinstance(a, torch.Tensor) for a in tree_leaves(args)):  # Python numbers only
+            host = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
+            return _pinned(host, self.device).to(target, non_blocking=True)
+        if func is torch.Tensor.__setitem__ and _mask_fill(*args):
+            args[0].masked_fill_(args[1], args[2])
+            return None
+        return func(*args, **kwargs)
+
+
+def _mask_fill(target: Any, index: Any = None, value: Any = None) -> bool:
+    return (isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.shape == target.shape
+            and isinstance(value, int | float))
