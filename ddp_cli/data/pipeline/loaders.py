@@ -18,7 +18,7 @@ from typing import NamedTuple
 import fsspec
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, get_worker_info
 
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.fetch.parquet_reader import ParquetReader, row_file
@@ -235,8 +235,15 @@ class Batch(NamedTuple):
 
 
 def collate(items: list[tuple]) -> Batch:
-    """The DataLoader's collate_fn: the default one, read by name."""
-    return Batch(*default_collate(items))
+    """The DataLoader's collate_fn: the default one, read by name. In a loader process the batch's
+    tensors are placed in shared memory here, where a full /dev/shm raises in the loader and reaches
+    the rank; left to the queue's feeder thread (the labels were), the failure was only printed there,
+    the batch lost, and the rank waited for it until killed."""
+    batch = Batch(*default_collate(items))
+    if get_worker_info() is not None:
+        batch.images.share_memory_()
+        batch.labels.share_memory_()
+    return batch
 
 
 def skipped_files(field: Sequence[str]) -> list[str]:
