@@ -25,7 +25,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.setup import cuda_devices
-from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
+from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed, summary
 from ddp_cli.run.jobs import clear_errors, first_error
 from ddp_cli.run.logenv import quiet_torch_logs
 from ddp_cli.run.logs import RankLogs
@@ -204,8 +204,10 @@ def rendezvous_failure(err: RendezvousError, endpoint: str | None, hosts: bool,
         why = "port in use" if "EADDRINUSE" in cause else cause.splitlines()[0]
         return ConfigError(f"--rdzv-endpoint {endpoint}: cannot host the rendezvous there ({why}); "
                            "pick a free port")
+    inner = err.__cause__
+    why = f"{type(err).__name__}: {summary(inner)}" if inner else type(err).__name__
     return DataError(f"--rdzv-endpoint {endpoint or '127.0.0.1'}: rendezvous failed within {timeout_s}s "
-                     f"({type(err).__name__}); is every node up and the address reachable from here?")
+                     f"({why}); is every node up and the address reachable from here?")
 
 
 # What a death by each signal most likely means; a worker's own log (logs/rank<N>.stderr.log) says more.

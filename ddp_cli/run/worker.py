@@ -55,7 +55,7 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
         cfg, entry, index, job = read_job(folder)
         startup.mark("read_job")
         ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
-        pulse = Heartbeat.start(ctx)
+        pulse = Heartbeat.start(ctx, cfg.distributed.timeout_s)
         startup.mark("process_group")
         writes = writes_folder(folder, ctx)
         if job.mode == "train":
