@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.shards import describe as describe_shards
 from ddp_cli.data.sources.shards import read_index
 from ddp_cli.data.sources.table import UNLABELED, IndexTable
-from ddp_cli.errors import PEER_LOST, ConfigError, DataError, DdpError, PeerLost, WorkerFailed
+from ddp_cli.errors import INTERNAL, PEER_LOST, ConfigError, DataError, DdpError, PeerLost, WorkerFailed
 from ddp_cli.index_build import IndexBuild, resolve_dataset
 from ddp_cli.io import writing
 from ddp_cli.observe import classes
@@ -367,17 +368,24 @@ def inference_precision(requested: str | None, trained: str) -> str:
 
 def run_inference(job: Job, cfg: RunConfig, entry: DatasetEntry, index: IndexTable, nproc: int,
                   opts: LaunchOptions, keep: str | None = None) -> dict[str, Any]:
-    """Launch a validate or predict job in a temporary folder; its result (and the file `keep`)."""
+    """Launch a validate or predict job in a temporary folder; its result (and the file `keep`). The
+    folder is removed unless a bug stopped the job: its message names the traceback in the folder's logs."""
     from ddp_cli.run.launch import launch
 
-    with tempfile.TemporaryDirectory(prefix=f"ddp-{job.mode}-") as tmp:
-        job_dir = Path(tmp)
+    job_dir, bug = Path(tempfile.mkdtemp(prefix=f"ddp-{job.mode}-")), False
+    try:
         prepare_job(job_dir, cfg, entry, index, job)
         launch(job_dir, nproc, opts, cfg.distributed)
         result = read_result(job_dir)
         if keep:
             result[keep] = (job_dir / keep).read_text()
         return result
+    except WorkerFailed as e:
+        bug = e.exit_code == INTERNAL
+        raise
+    finally:
+        if not bug:
+            shutil.rmtree(job_dir, ignore_errors=True)
 
 
 def writable(path: str | None, flag: str) -> str | None:

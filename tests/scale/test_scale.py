@@ -56,10 +56,11 @@ def wait_for_step(run_dir: Path, step: int, launchers, timeout: float = 300) -> 
 
 
 def figures(name: str, result: dict, watch: Watch, seconds: float) -> None:
-    startup = result["startup_seconds"]
+    startup = result["startup_seconds"]  # of the last incarnation (a restarted one has no hand-off)
     pss = sorted(watch.pss_mb.values())
     REPORT[name] = {"world_size": result["world_size"], "wall_s": round(seconds, 1),
-                    "rendezvous_and_process_group_s": round(startup["launch"] + startup["process_group"], 2),
+                    "rendezvous_and_worker_start_s": startup.get("launch"),
+                    "process_group_s": startup.get("process_group"),
                     "rank_pss_mb": {"median": round(pss[len(pss) // 2], 1), "max": round(pss[-1], 1)},
                     "open_files": watch.fds, "world_sizes": result.get("world_sizes")}
 
