@@ -89,8 +89,8 @@ def test_chaos_ends_bit_identical_to_the_unbroken_run(bucket_registry, s3_endpoi
                                         seed=SEED)) as proxy:
         chaos = {**ENV, "AWS_ENDPOINT_URL": proxy.url, "DDP_STAGING_DIR": str(staging)}
         args = ["train", "configs/demo.toml", "--registry", str(bucket_registry), "--run-dir", url, *SETTINGS,
-                "--max-restarts", "3", "--resume", "auto"]
-        first = LiveRun(*args, env={**chaos, "DDP_FAULTS": faults})
+                "--resume", "auto"]
+        first = LiveRun(*args, "--max-restarts", "3", env={**chaos, "DDP_FAULTS": faults})
         assert first.wait(timeout=600) == 143, first.stderr[-3000:]
         assert "stopped by SIGTERM" in first.stderr
         full = run_ddp(*args, "--json", env={**chaos, "DDP_FAULTS": f"diskfull@{plan['disk_full']}",
