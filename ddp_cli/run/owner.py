@@ -288,9 +288,14 @@ class Ownership:
             except Exception as e:  # a store failing now and then: the next renewal tries again
                 log.warning("warning: could not renew the heartbeat of %s: %s", self.store.where, e)
                 continue
-            if version is None:
-                log.warning("warning: %s is no longer this run's: another run took it over", self.store.where)
-                return
+            if version is None:  # changed: by a take-over, or by this renewal retried after a lost answer
+                found = self.store.read()
+                mine = Owner.decode(found[0]) if found else None
+                if mine is None or mine.token != owner.token:
+                    log.warning("warning: %s is no longer this run's: another run took it over",
+                                self.store.where)
+                    return
+                owner, version = mine, found[1]
             self.owner, self.version = owner, version
 
     def release(self) -> None:

@@ -134,3 +134,22 @@ def test_a_store_that_ignores_conditional_writes_gets_a_lease_with_a_warning(run
     with pytest.raises(ConfigError, match="owned by a live run"):
         take_run_dir(run_url, "--run-dir")  # a lease still looks before it writes
     held.release()
+
+
+def test_a_renewal_whose_answer_was_lost_keeps_the_lock(tmp_path, monkeypatch):
+    """Through a store that drops connections, a renewal that landed is retried and refused (If-Match on
+    the old version): the lock still holds this run's token, so it goes on renewing."""
+    monkeypatch.setattr(ownermod, "HEARTBEAT_S", 0.05)
+    store = FileLock(tmp_path)
+    held = take(store, "--run-dir R")
+    real = store.renew
+
+    def landed_but_refused(data, version):
+        real(data, version)
+        return None
+
+    monkeypatch.setattr(store, "renew", landed_but_refused)
+    time.sleep(0.3)
+    assert held.thread.is_alive()
+    assert json.loads((tmp_path / LOCK).read_text())["heartbeat"] > held.owner.started
+    held.release()
