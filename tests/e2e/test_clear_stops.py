@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_ddp
 
+pytestmark = pytest.mark.slow
+
 TINY = ["data.image_size=8", "data.val_resize=8", "train.epochs=1", "train.precision=fp32"]
 
 

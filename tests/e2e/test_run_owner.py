@@ -14,6 +14,8 @@ import pytest
 import s3fs
 from conftest import ENV, KEY, SECRET, LiveRun, last_json, run_ddp
 
+pytestmark = pytest.mark.slow
+
 QUICK = [a for s in ("data.workers=0", "logging.every_steps=1", "data.image_size=8", "data.val_resize=8",
                      "train.epochs=2", "train.max_steps_per_epoch=4", "train.precision=fp32")
          for a in ("--set", s)]
@@ -87,5 +89,3 @@ def test_the_same_in_a_bucket_through_conditional_writes(demo_registry, s3_endpo
     assert last_json(taken)["run_dir"] == url
     assert sum("taken over" in line for line in taken.stderr.splitlines()) == 1
 
-
-pytestmark = pytest.mark.filterwarnings("ignore")
