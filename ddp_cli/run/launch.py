@@ -201,10 +201,10 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
 def more_open_files() -> None:
     """The soft limit on open files raised to the hard one, for this launcher and the workers it starts.
 
-    A gloo worker keeps a socket per peer and ~2 fds per rank of the world all told (`make test-scale`:
-    87 at world 24, 102 at world 32); at 512 ranks that is ~1,000, the common default soft limit
-    (1024), while the hard limit is usually far above (524288 under systemd). Where it cannot be
-    raised, it stays: the run goes on as before.
+    A gloo worker keeps a socket per peer on top of ~60 fds of its own (`make test-scale`: up to 102 at
+    world 32); at 512 ranks that is ~570, and more with a second group (the control group on GPUs),
+    near the common default soft limit (1024), while the hard limit is usually far above (524288
+    under systemd). Where it cannot be raised, it stays: the run goes on as before.
     """
     with contextlib.suppress(ValueError, OSError):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -45,7 +45,7 @@ def test_the_environment_can_ask_for_spawn(one_thread, monkeypatch):
 
 
 def test_the_launcher_raises_its_open_files_soft_limit_to_the_hard_one(monkeypatch):
-    """A gloo worker holds ~2 fds per rank of the world: 512 ranks pass the usual soft limit of 1024."""
+    """A gloo worker holds a socket per peer: at 512 ranks, near the usual soft limit of 1024."""
     limits = {"now": (1024, 524288)}
     monkeypatch.setattr(launch.resource, "getrlimit", lambda which: limits["now"])
     monkeypatch.setattr(launch.resource, "setrlimit", lambda which, value: limits.update(now=value))
