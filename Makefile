@@ -51,7 +51,7 @@ test-fast: setup
 # 32 ranks on this machine (tests/scale): 8 `ddp train` launchers x 4 workers on loopback (gloo, the demo's tiny
 # model at 8 px): an epoch, its validation equal to world 1's, a resume at world 24, and `--nnodes 6:8` losing two
 # launchers. Prints the rendezvous time, memory per rank and open files per process (runs/test-scale.json;
-# BENCHMARKS.md, "32 ranks on one machine"). Not in `make test`: about 6 minutes on 2 cores, every core busy.
+# BENCHMARKS.md, "32 ranks on one machine"). Not in `make test`: 6-11 minutes on 2 shared cores, every core busy.
 test-scale: setup
 	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/scale
 
@@ -59,6 +59,7 @@ test-scale: setup
 # twice, object storage failing 5% of requests with 50 ms latency (data and run dir in the loopback bucket), a
 # SIGTERM and a full disk, each followed by a resume; the final weights must equal the unbroken run's, bit for bit.
 # Prints the schedule, so a failure replays with the same SEED. Needs root (a small tmpfs for the full disk).
+# About 6-7 minutes per seed on 2 shared cores (BENCHMARKS.md, "Chaos").
 SEED ?= 0
 test-chaos: setup
 	DDP_CHAOS_SEED=$(SEED) $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/chaos
