@@ -230,7 +230,9 @@ def rendezvous_failure(err: RendezvousError, endpoint: str | None, hosts: bool,
 # What a death by each signal most likely means; a worker's own log (logs/rank<N>.stderr.log) says more.
 CRASHED = "a crash in native code: see its log"
 SIGNAL_HINTS = {signal.SIGKILL: "the out-of-memory killer? see dmesg",
-                signal.SIGABRT: "an abort in native code (torch, a CUDA library): see its log"}
+                signal.SIGABRT: "an abort in native code (torch, a CUDA library): see its log",
+                signal.SIGBUS: "a bus error: most often /dev/shm full (df -h /dev/shm; docs/gpus.md, "
+                               "\"Shared memory in containers\")"}
 
 
 def failure(job_dir: Path, err: ChildFailedError, stderr_files: dict[int, Path]) -> WorkerFailed:

@@ -184,3 +184,7 @@ def test_a_host_that_cannot_open_its_store_says_why_and_a_timeout_asks_for_the_o
         error = rendezvous_failure(err, "node0:29400", hosts, 60)
         assert isinstance(error, DataError) and "rendezvous failed within 60s" in str(error)
         assert "is every node up" in str(error)
+    closed = RendezvousConnectionError("The connection to the C10d store has failed.")
+    closed.__cause__ = dist.DistNetworkError("Broken pipe\n(a C++ stack)")
+    assert "(RendezvousConnectionError: DistNetworkError: Broken pipe)" in str(  # the store's own words
+        rendezvous_failure(closed, "node0:29400", False, 60))
