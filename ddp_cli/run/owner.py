@@ -247,8 +247,10 @@ class BucketLock:
         """Whether the store refuses a second `If-None-Match: *` PUT of one object (a probe, removed)."""
         probe = f".owner-probe-{uuid.uuid4().hex}"
         key = self.bucket.key(probe)
-        create = lambda data: self.bucket.call(  # noqa: E731
-            lambda: self.bucket.fs.pipe_file(key, data, mode="create"), probe)
+
+        def create(data: bytes) -> None:
+            self.bucket.call(lambda: self.bucket.fs.pipe_file(key, data, mode="create"), probe)
+
         try:
             create(b"1")
             try:
