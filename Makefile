@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # the site: strict (a broken link, page or anchor fails), offline; without Material's notice
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-.PHONY: setup train test test-fast test-cpu-kinds test-cuda gpu-check lint docs clean constraints mutate fuzz
+.PHONY: setup train test test-fast test-scale test-chaos test-cpu-kinds test-cuda gpu-check lint docs clean constraints mutate fuzz
 
 setup: $(STAMP)
 
@@ -47,6 +47,22 @@ test: setup
 test-fast: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n auto -m "not processes" tests/unit tests/gpu_rules tests/fuzz
+
+# 32 ranks on this machine (tests/scale): 8 `ddp train` launchers x 4 workers on loopback (gloo, the demo's tiny
+# model at 8 px): an epoch, its validation equal to world 1's, a resume at world 24, and `--nnodes 6:8` losing two
+# launchers. Prints the rendezvous time, memory per rank and open files per process (runs/test-scale.json;
+# BENCHMARKS.md, "32 ranks on one machine"). Not in `make test`: 6-11 minutes on 2 shared cores, every core busy.
+test-scale: setup
+	$(BIN)/python -m pytest -q -s -p no:cacheprovider tests/scale
+
+# The demo trained under faults drawn from SEED (tests/chaos; docs/multi-node.md, "Chaos"): workers killed
+# twice, object storage failing 5% of requests with 50 ms latency (data and run dir in the loopback bucket), a
+# SIGTERM and a full disk, each followed by a resume; the final weights must equal the unbroken run's, bit for bit.
+# Prints the schedule, so a failure replays with the same SEED. Needs root (a small tmpfs for the full disk).
+# About 6-7 minutes per seed on 2 shared cores (BENCHMARKS.md, "Chaos").
+SEED ?= 0
+test-chaos: setup
+	DDP_CHAOS_SEED=$(SEED) $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/chaos
 
 # The end-to-end suite as other CPUs run it, from this one (tools/cpu_kinds.py; docs/development.md, "Other
 # CPUs"): `auto` precision and torch's kernels as on an AVX2-only CPU, every process on one core; then bf16 as

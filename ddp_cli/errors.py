@@ -71,6 +71,22 @@ def one_line(message: str) -> str:
     return re.sub(r"[\x00-\x08\x0a-\x1f\x7f]", lambda m: repr(m.group())[1:-1], message)
 
 
+LINE_MAX = 250  # an internal error's summary: the whole message, with where to read more, stays < 500
+
+
+def summary(e: BaseException) -> str:
+    """`Type: first line` of an unexpected error, cut to LINE_MAX characters: its traceback belongs in a
+    log, not on the console. For an error a DataLoader raised again from a loader process (its message
+    pastes the loader's whole traceback), the loader's own last line and the process it came from."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if len(lines) > 2 and lines[1].startswith("Original Traceback"):
+        where = re.search(r" in (.+?)\.?$", lines[0])
+        text = lines[-1] + (f" (in {where.group(1)})" if where else "")
+    else:
+        text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return text if len(text) <= LINE_MAX else text[:LINE_MAX - 3] + "..."
+
+
 def did_you_mean(word: str, known: list[str] | tuple[str, ...]) -> str:
     """A ' (did you mean x?)' hint, or the known names when nothing is close."""
     import difflib

@@ -15,10 +15,11 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -33,7 +34,7 @@ from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.shards import describe as describe_shards
 from ddp_cli.data.sources.shards import read_index
 from ddp_cli.data.sources.table import UNLABELED, IndexTable
-from ddp_cli.errors import PEER_LOST, ConfigError, DataError, DdpError, PeerLost, WorkerFailed
+from ddp_cli.errors import INTERNAL, PEER_LOST, ConfigError, DataError, DdpError, PeerLost, WorkerFailed
 from ddp_cli.index_build import IndexBuild, resolve_dataset
 from ddp_cli.io import writing
 from ddp_cli.observe import classes
@@ -201,18 +202,30 @@ def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | Non
         return train_under_torchrun(cfg, build, run_dir, resume, quiet, startup)
     single_threaded()
     run = preflight(cfg, build, launch_workers(cfg, opts), resume, startup)
-    folder = prepare_run(run, run_dir, quiet)
-    startup.mark("hand_off")
-    startup.hand_over()
-    try:
-        start = launch(folder, run.workers.nproc, opts, cfg.distributed)
-    except WorkerFailed as e:
-        upload_after_failure(run_dir, folder)
-        if e.exit_code == PEER_LOST:
-            raise PeerLost(f"{e}; {how_to_go_on(folder, bucket=bucket_of(run_dir))}") from None
-        raise
-    result = {**read_result(folder), "data_workers": run.loaders.as_dict(), "worker_start": start}
-    return published(result, run_dir, folder, opts.node_rank)
+    run_dir = run_dir or default_run_dir(cfg)
+    with owned(run_dir, opts.node_rank == 0):
+        folder = prepare_run(run, run_dir, quiet)
+        startup.mark("hand_off")
+        startup.hand_over()
+        try:
+            start = launch(folder, run.workers.nproc, opts, cfg.distributed)
+        except WorkerFailed as e:
+            upload_after_failure(run_dir, folder)
+            if e.exit_code == PEER_LOST:
+                raise PeerLost(f"{e}; {how_to_go_on(folder, bucket=bucket_of(run_dir))}") from None
+            raise
+        result = {**read_result(folder), "data_workers": run.loaders.as_dict(), "worker_start": start}
+        return published(result, run_dir, folder, opts.node_rank)
+
+
+def owned(run_dir: Path | str, owner: bool, flag: str = "--run-dir") -> AbstractContextManager:
+    """The run dir (a folder or an s3:// URL) held by this process for the block (`run.owner`), before
+    anything is written into it; `owner` is false on the nodes that join node 0's run."""
+    from ddp_cli.run.owner import owning
+
+    if not owner:
+        return nullcontext()
+    return owning(run_dir if isinstance(run_dir, str) else Path(run_dir).resolve(), flag)
 
 
 def how_to_go_on(folder: Path, argv: list[str] | None = None, bucket: str | None = None) -> str:
@@ -258,20 +271,23 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str 
     ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
     startup.mark("process_group")
     folder, run = [None], None
-    if ctx.is_main:
-        run = preflight(cfg, build, joined_workers(cfg, ctx), resume, startup)
-        folder[0] = str(prepare_run(run, run_dir, quiet))
-        startup.mark("hand_off")
-    dist.broadcast_object_list(folder, src=0)
-    code = run_job(Path(folder[0]), startup)
-    if code:
-        if run:
-            upload_after_failure(run_dir, Path(folder[0]))
-        raise WorkerFailed("", code)
-    if not run:
-        return {}
-    result = {**read_result(Path(folder[0])), "data_workers": run.loaders.as_dict()}
-    return published(result, run_dir, Path(folder[0]))
+    with ExitStack() as held:
+        if ctx.is_main:
+            run = preflight(cfg, build, joined_workers(cfg, ctx), resume, startup)
+            run_dir = run_dir or default_run_dir(cfg)
+            held.enter_context(owned(run_dir, True))
+            folder[0] = str(prepare_run(run, run_dir, quiet))
+            startup.mark("hand_off")
+        dist.broadcast_object_list(folder, src=0)
+        code = run_job(Path(folder[0]), startup)
+        if code:
+            if run:
+                upload_after_failure(run_dir, Path(folder[0]))
+            raise WorkerFailed("", code)
+        if not run:
+            return {}
+        result = {**read_result(Path(folder[0])), "data_workers": run.loaders.as_dict()}
+        return published(result, run_dir, Path(folder[0]))
 
 
 def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) -> dict[str, Any]:
@@ -307,7 +323,15 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
     job.confusion, job.predictions = writable(job.confusion, "--confusion"), writable(job.predictions,
                                                                                     "--predictions")
     job.evaluation = evaluation_file(Path(job.checkpoint), job.weights) if job.per_class else None
-    result = run_inference(job, cfg, entry, index, workers.nproc, opts)
+    outputs = {"--predictions": job.predictions, "--confusion": job.confusion, "--per-class": job.evaluation}
+    run_dirs: dict[Path, str] = {}  # a run dir that validate writes into is held as a run holds it
+    for flag, path in outputs.items():
+        if path and run_dir_of(Path(path)):
+            run_dirs.setdefault(run_dir_of(Path(path)), f"{flag} into run dir")
+    with ExitStack() as held:
+        for folder, flag in run_dirs.items():
+            held.enter_context(owned(folder, True, flag))
+        result = run_inference(job, cfg, entry, index, workers.nproc, opts)
     files = {"confusion": job.confusion, "predictions": job.predictions, "evaluation": job.evaluation}
     named = {"checkpoint": run_location(Path(given), "--checkpoint")} if given.startswith("s3:/") else {}
     return {**result, **{key: path for key, path in files.items() if path}, **named}
@@ -344,17 +368,24 @@ def inference_precision(requested: str | None, trained: str) -> str:
 
 def run_inference(job: Job, cfg: RunConfig, entry: DatasetEntry, index: IndexTable, nproc: int,
                   opts: LaunchOptions, keep: str | None = None) -> dict[str, Any]:
-    """Launch a validate or predict job in a temporary folder; its result (and the file `keep`)."""
+    """Launch a validate or predict job in a temporary folder; its result (and the file `keep`). The
+    folder is removed unless a bug stopped the job: its message names the traceback in the folder's logs."""
     from ddp_cli.run.launch import launch
 
-    with tempfile.TemporaryDirectory(prefix=f"ddp-{job.mode}-") as tmp:
-        job_dir = Path(tmp)
+    job_dir, bug = Path(tempfile.mkdtemp(prefix=f"ddp-{job.mode}-")), False
+    try:
         prepare_job(job_dir, cfg, entry, index, job)
         launch(job_dir, nproc, opts, cfg.distributed)
         result = read_result(job_dir)
         if keep:
             result[keep] = (job_dir / keep).read_text()
         return result
+    except WorkerFailed as e:
+        bug = e.exit_code == INTERNAL
+        raise
+    finally:
+        if not bug:
+            shutil.rmtree(job_dir, ignore_errors=True)
 
 
 def writable(path: str | None, flag: str) -> str | None:
@@ -371,6 +402,17 @@ def writable(path: str | None, flag: str) -> str | None:
     if folder:
         raise ConfigError(f"{flag} {path}: is a folder; give a file name, e.g. {path}/out.csv")
     return str(target)
+
+
+def run_dir_of(path: Path) -> Path | None:
+    """The run dir a file written by a command lies in (its folder, or the folder above: `evaluations/`),
+    known by its metrics.jsonl or its lock; None elsewhere."""
+    from ddp_cli.run.owner import LOCK
+
+    for folder in (path.parent, path.parent.parent):
+        if (folder / "metrics.jsonl").is_file() or (folder / LOCK).is_file():
+            return folder
+    return None
 
 
 def evaluation_file(checkpoint: Path, weights: str) -> str | None:

@@ -11,6 +11,8 @@ import functools
 import json
 import os
 import sys
+import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -19,7 +21,8 @@ import typer
 from rich.markup import escape
 
 from ddp_cli.cli.render import err
-from ddp_cli.errors import INTERNAL, SIGINT, DdpError
+from ddp_cli.data.pipeline.sharedmem import exhausted, ran_out
+from ddp_cli.errors import INTERNAL, SIGINT, DdpError, summary
 from ddp_cli.io import WRITE_ONLY, write_error
 
 SIGPIPE = 141  # 128 + 13, as a shell reports a process that wrote to a closed pipe
@@ -43,15 +46,29 @@ def exits(command: Callable) -> Callable:
         except KeyboardInterrupt:
             fail("interrupted", SIGINT, as_json)
         except Exception as e:
+            if ran_out(e):  # a queue or a batch found /dev/shm full: a setting, not a full disk nor a bug
+                short = exhausted()
+                fail(str(short), short.exit_code, as_json)
             refused = write_error(e, errnos=WRITE_ONLY)  # a write no wrapper named: the file the error names
             if refused is not None:
                 fail(str(refused), refused.exit_code, as_json)
             if os.environ.get("DDP_DEBUG") == "1":
                 raise
-            fail(f"{type(e).__name__}: {e}", INTERNAL, as_json,
-                 label="internal error (a bug; DDP_DEBUG=1 shows the traceback):")
+            fail(f"{summary(e)}{traceback_kept(e)}", INTERNAL, as_json, label="internal error (a bug):")
 
     return wrapper
+
+
+def traceback_kept(e: BaseException) -> str:
+    """`e`'s traceback written to a file of its own (the console gets one line): '; its traceback: PATH',
+    or '' where no file can be written."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="ddp-traceback-", suffix=".log")
+        with os.fdopen(fd, "w") as log:
+            traceback.print_exception(e, file=log)
+    except OSError:
+        return ""
+    return f"; its traceback: {path}"
 
 
 def report_error(message: str, code: int, as_json: bool, result: dict[str, Any] | None = None,

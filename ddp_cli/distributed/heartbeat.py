@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ddp_cli.distributed.setup import DistContext, agent_store
+from ddp_cli.errors import summary
 
 BEAT_S = 0.5
 READ_TIMEOUT_S = 5.0
@@ -29,9 +30,13 @@ class Heartbeat:
         threading.Thread(target=self._beat, name="ddp-heartbeat", daemon=True).start()
 
     @classmethod
-    def start(cls, ctx: DistContext) -> Heartbeat | None:
-        """Beating from now on; None outside an elastic agent (no store to beat into)."""
-        store = agent_store(ctx.world_size, timedelta(seconds=READ_TIMEOUT_S))
+    def start(cls, ctx: DistContext, connect_timeout_s: float) -> Heartbeat | None:
+        """Beating from now on; None outside an elastic agent (no store to beat into). Its connection is
+        made with the job's timeout (`connect_timeout_s`), as the process group's was: node 0's store
+        is up (the group just formed through it), but with 32 ranks starting on 2 cores it took longer
+        than READ_TIMEOUT_S to accept them all, and the rank failed ("client socket has timed out
+        after 5000ms while trying to connect"), reported as a collective's timeout."""
+        store = agent_store(ctx.world_size, timedelta(seconds=connect_timeout_s))
         return cls(ctx, store) if store is not None else None
 
     @staticmethod
@@ -68,11 +73,15 @@ def describe_loss(error: BaseException, silent: list[int] | None, ctx: DistConte
                   timeout_s: int) -> str:
     """One line: which rank (and node) was lost or hung, and how we know (NCCL's words, when NCCL
     raised it: a DistBackendError)."""
-    hung = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+    text = str(error).lower()
+    hung = "timed out" in text or "timeout" in text
+    collective = hung and "connect" not in text  # not a connection to the store that took too long to make
     how = (f"stopped answering (a collective timed out after distributed.timeout_s = {timeout_s} s)"
-           if hung else "was lost (its connection closed: the process or its node is gone)")
-    if isinstance(error, dist.DistBackendError) and str(error).strip():
-        how += f" (NCCL: {str(error).strip().splitlines()[0]})"
+           if collective else "could not be reached in time" if hung else
+           "was lost (its connection closed: the process or its node is gone)")
+    if str(error).strip():  # the backend's own words (NCCL's, gloo's, the store's): what timed out or closed
+        backend = "NCCL" if isinstance(error, dist.DistBackendError) else type(error).__name__
+        how += f" ({backend}: {summary(error).split(': ', 1)[1]})"
     if silent is None:
         return f"node 0 (rank 0's node, host of the job's store) {how}; rank {ctx.rank} saw it"
     if not silent:

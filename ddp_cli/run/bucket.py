@@ -23,10 +23,12 @@ from ddp_cli.data.fetch.retry import IoPolicy, with_retries
 from ddp_cli.data.fetch.storage import S3Location, s3_filesystem, storage_error
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.io import writing
+from ddp_cli.run.owner import LOCK
 
 T = TypeVar("T")
 SCHEME = "s3://"
-NOT_MIRRORED = ("checkpoints", "index")  # checkpoints go in their own order; the index is rebuilt at launch
+# checkpoints go in their own order; the index is rebuilt at launch; the owner's lock is the bucket's own
+NOT_MIRRORED = ("checkpoints", "index", LOCK)
 PER_RANK = ("logs", "errors")  # what every node has of its own ranks (the rest is rank 0's)
 STAGING_ENV = "DDP_STAGING_DIR"  # where node-local staging folders go (default: the temp folder's)
 
@@ -128,11 +130,12 @@ class RunBucket:
 
     def call(self, call: Callable[[], T], name: str) -> T:
         """`call()`: transient errors retried (`policy`), the rest one DataError naming the object;
-        FileNotFoundError passes through (callers decide what a missing object means)."""
+        FileNotFoundError and FileExistsError (an `If-None-Match: *` refused) pass through: callers
+        decide what a missing or an existing object means."""
         where = self.url_of(name)
         try:
             return with_retries(call, where, self.policy)
-        except (FileNotFoundError, DataError):
+        except (FileNotFoundError, FileExistsError, DataError):
             raise
         except Exception as e:
             mapped = storage_error(e, where)

@@ -9,7 +9,9 @@ Each worker's output also goes to JOB_DIR/logs (`run.logs`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import signal
 import sys
 import uuid
@@ -25,7 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.setup import cuda_devices
-from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed
+from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed, summary
 from ddp_cli.run.jobs import clear_errors, first_error
 from ddp_cli.run.logenv import quiet_torch_logs
 from ddp_cli.run.logs import RankLogs
@@ -174,6 +176,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         log_line_prefix_template="${role_name}",
     )
     quiet_torch_logs()
+    more_open_files()
     clear_errors(job_dir)
     os.environ[LAUNCHED] = "1"  # workers leave the printing of errors to us
     os.environ.update(gloo_environment(opts.nnodes, opts.rdzv_endpoint, os.environ))  # the workers inherit it
@@ -195,6 +198,20 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         raise rendezvous_failure(e, opts.rdzv_endpoint, hosts, cfg.rdzv_timeout_s) from None
 
 
+def more_open_files() -> None:
+    """The soft limit on open files raised to the hard one, for this launcher and the workers it starts.
+
+    A gloo worker keeps a socket per peer on top of ~60 fds of its own (`make test-scale`: up to 102 at
+    world 32); at 512 ranks that is ~570, and more with a second group (the control group on GPUs),
+    near the common default soft limit (1024), while the hard limit is usually far above (524288
+    under systemd). Where it cannot be raised, it stays: the run goes on as before.
+    """
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def rendezvous_failure(err: RendezvousError, endpoint: str | None, hosts: bool,
                        timeout_s: float) -> ConfigError | DataError:
     """Node 0 that could not open its store is told why (the port, usually); any other node is asked
@@ -204,14 +221,18 @@ def rendezvous_failure(err: RendezvousError, endpoint: str | None, hosts: bool,
         why = "port in use" if "EADDRINUSE" in cause else cause.splitlines()[0]
         return ConfigError(f"--rdzv-endpoint {endpoint}: cannot host the rendezvous there ({why}); "
                            "pick a free port")
+    inner = err.__cause__
+    why = f"{type(err).__name__}: {summary(inner)}" if inner else type(err).__name__
     return DataError(f"--rdzv-endpoint {endpoint or '127.0.0.1'}: rendezvous failed within {timeout_s}s "
-                     f"({type(err).__name__}); is every node up and the address reachable from here?")
+                     f"({why}); is every node up and the address reachable from here?")
 
 
 # What a death by each signal most likely means; a worker's own log (logs/rank<N>.stderr.log) says more.
 CRASHED = "a crash in native code: see its log"
 SIGNAL_HINTS = {signal.SIGKILL: "the out-of-memory killer? see dmesg",
-                signal.SIGABRT: "an abort in native code (torch, a CUDA library): see its log"}
+                signal.SIGABRT: "an abort in native code (torch, a CUDA library): see its log",
+                signal.SIGBUS: "a bus error: most often /dev/shm full (df -h /dev/shm; docs/gpus.md, "
+                               "\"Shared memory in containers\")"}
 
 
 def failure(job_dir: Path, err: ChildFailedError, stderr_files: dict[int, Path]) -> WorkerFailed:

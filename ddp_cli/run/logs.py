@@ -9,11 +9,16 @@ into the same run dir (a resume) moves the earlier files aside as `rank<N>.stder
 (oldest first), so `rank<N>.stderr.log` is always the latest. One exception: on a terminal, rank 0's
 stderr stays on it (no file) so its live progress table still draws; rank 0's failures are printed
 by the launcher and kept in `errors/` anyway.
+
+A rank's internal error (a bug) is one line on the console naming `rank<N>.traceback.log`, which
+holds its traceback (`write_traceback`): in the stderr log it would be teed to the console too.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import traceback
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
@@ -40,10 +45,10 @@ class RankLogs(LogsSpecs):
         dest = LogsDest()
         for local_rank, env in envs.items():
             restart = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
-            stem = f"rank{env['RANK']}" + (f".restart{restart}" if restart else "")
-            stdout, stderr, error = (self.folder / f"{stem}.{kind}" for kind in
-                                     ("stdout.log", "stderr.log", "error.json"))
-            for path in (stdout, stderr, error):
+            stem = rank_stem(int(env["RANK"]), restart)
+            stdout, stderr, error, trace = (self.folder / f"{stem}.{kind}" for kind in
+                                            ("stdout.log", "stderr.log", "error.json", "traceback.log"))
+            for path in (stdout, stderr, error, trace):
                 keep_aside(path)
             dest.stdouts[local_rank] = dest.tee_stdouts[local_rank] = str(stdout)
             if self.live_console and env["RANK"] == "0":
@@ -54,6 +59,24 @@ class RankLogs(LogsSpecs):
             dest.error_files[local_rank] = str(error)  # torch's own record of an uncaught exception
             env["TORCHELASTIC_ERROR_FILE"] = str(error)
         return dest
+
+
+def rank_stem(rank: int, restart: int) -> str:
+    return f"rank{rank}" + (f".restart{restart}" if restart else "")
+
+
+def write_traceback(folder: Path, rank: int, error: BaseException) -> Path | None:
+    """`error`'s traceback in `folder/logs/rank<N>[.restart<K>].traceback.log`, appended; its path, or
+    None where it cannot be written (the disk that failed the run): the one-line message still goes."""
+    path = folder / "logs" / f"{rank_stem(rank, int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)))}" \
+                             ".traceback.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as log:
+            traceback.print_exception(error, file=log)
+    except OSError:
+        return None
+    return path
 
 
 def keep_aside(path: Path) -> None:

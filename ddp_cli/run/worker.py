@@ -20,15 +20,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ddp_cli.data.pipeline.sharedmem import exhausted, ran_out
 from ddp_cli.distributed.heartbeat import Heartbeat, describe_loss
 from ddp_cli.distributed.peer_loss import lost_a_peer
 from ddp_cli.distributed.setup import setup, teardown
-from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, DdpError, WriteError
+from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, USAGE, DdpError, WriteError, summary
 from ddp_cli.fastexit import exit_if_stuck, exit_now
 from ddp_cli.io import WRITE_ONLY, write_error
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.run.inference_jobs import predict_job, validate_job
 from ddp_cli.run.jobs import read_job, record_error, write_result
+from ddp_cli.run.logs import write_traceback
 from ddp_cli.run.training import train_job
 from ddp_cli.run.writers import writes_folder
 
@@ -48,12 +50,12 @@ def run_job(folder: Path, startup: StartupClock) -> int:
 
 def job_outcome(folder: Path, startup: StartupClock) -> int:
     """Run the job; its exit code, any failure recorded for the launcher."""
-    rank, ctx, pulse = int(os.environ.get("RANK", 0)), None, None
+    rank, cfg, ctx, pulse = int(os.environ.get("RANK", 0)), None, None, None
     try:
         cfg, entry, index, job = read_job(folder)
         startup.mark("read_job")
         ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
-        pulse = Heartbeat.start(ctx)
+        pulse = Heartbeat.start(ctx, cfg.distributed.timeout_s)
         startup.mark("process_group")
         writes = writes_folder(folder, ctx)
         if job.mode == "train":
@@ -71,6 +73,9 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
     except KeyboardInterrupt:
         return SIGINT
     except Exception as e:
+        if ran_out(e) and cfg:  # a loader's batch found /dev/shm full: a setting, not a bug
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            return fail(folder, rank, USAGE, str(exhausted(cfg.data, ranks)), original=True)
         if lost_a_peer(e):  # not original: a failure recorded elsewhere comes first
             log.debug("rank %d: lost a peer: %s", rank, e)
             message = (describe_loss(e, pulse.silent() if pulse else [], ctx, cfg.distributed.timeout_s)
@@ -82,8 +87,10 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
             return fail(folder, rank, refused.exit_code, str(refused), original=True)
         if os.environ.get("DDP_DEBUG") == "1":
             traceback.print_exc()
-        return fail(folder, rank, INTERNAL, f"internal error on rank {rank} (a bug; DDP_DEBUG=1 "
-                    f"shows the traceback): {type(e).__name__}: {e}", original=True)
+        log_file = write_traceback(folder, rank, e)
+        where = f"; its traceback: {log_file}" if log_file else ""
+        return fail(folder, rank, INTERNAL, f"internal error on rank {rank} (a bug): {summary(e)}{where}",
+                    original=True)
 
 
 def fail(folder: Path, rank: int, exit_code: int, message: str, original: bool) -> int:

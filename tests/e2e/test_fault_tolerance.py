@@ -89,7 +89,7 @@ GPU_DECODE = ["--set", 'data.decode="gpu"']  # on CPU workers: the rank decodes,
 def uninterrupted_gpu_decode(demo_registry, tmp_path_factory):
     """The reference of `uninterrupted`, its JPEGs decoded and augmented by the ranks (data.decode gpu)."""
     run_dir = tmp_path_factory.mktemp("ref-gpu-decode") / "run"
-    out = train(demo_registry, run_dir, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2")
+    out = train(demo_registry, run_dir, *EVERYTHING, *GPU_DECODE, "--set", "train.epochs=2")
     return last_json(out), run_dir
 
 
@@ -101,11 +101,11 @@ def test_sigterm_with_gpu_decode_checkpoints_then_resume_ends_bit_identical(demo
     assert tomllib.loads((reference_dir / "config.toml").read_text())["data"]["decode"] == "gpu"
     run_dir = tmp_path / "run"
     run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
-                  str(run_dir), *EXACT, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2",
+                  str(run_dir), *EXACT, *EVERYTHING, *GPU_DECODE, "--set", "train.epochs=2",
                   env=SIGTERM_AFTER_STEP_6)
     assert run.wait(timeout=120) == 143, run.stderr
     assert "step-" in CheckpointStore(run_dir / "checkpoints", 1).latest_valid().name
-    resumed = last_json(train(demo_registry, run_dir, *AUGMENTED, *GPU_DECODE, "--set", "train.epochs=2"))
+    resumed = last_json(train(demo_registry, run_dir, *EVERYTHING, *GPU_DECODE, "--set", "train.epochs=2"))
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
 
 

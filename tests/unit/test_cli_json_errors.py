@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -27,8 +28,7 @@ def error_object(stdout: str, stderr: str, code: int) -> dict:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1, stderr
     assert error.keys() == {"error", "exit_code"} and error["exit_code"] == code
-    assert lines[0].endswith(error["error"].removeprefix("internal error (a bug; DDP_DEBUG=1 shows the "
-                                                          "traceback): "))
+    assert lines[0].endswith(error["error"].removeprefix("internal error (a bug): "))
     return error
 
 
@@ -54,17 +54,25 @@ def test_missing_data_root_exit_3(tmp_path):
     assert "nowhere" in error_object(result.stdout, result.stderr, 3)["error"]
 
 
-def test_internal_error_exit_1(monkeypatch, demo_registry):
+def test_internal_error_exit_1_one_line_traceback_in_a_file(monkeypatch, demo_registry):
+    """A bug's message of many lines (a DataLoader pastes a loader's whole traceback into its own) is its
+    type and first line on the console and in the JSON error, each < 500 characters; the traceback is
+    in the file the line names."""
     def broken(registry):
-        raise RuntimeError("boom")
+        raise RuntimeError("boom\n" + "  File 'deep.py', line 1, in frame\n" * 200)
 
     monkeypatch.delenv("DDP_DEBUG", raising=False)
     monkeypatch.setattr(commands, "datasets_list", broken)
     result = invoke("datasets", "list", "--registry", str(demo_registry), "--json")
     assert result.exit_code == 1
     error = error_object(result.stdout, result.stderr, 1)
-    assert error["error"].startswith("internal error (a bug")
-    assert error["error"].endswith("RuntimeError: boom")
+    assert error["error"].startswith("internal error (a bug): RuntimeError: boom; its traceback: ")
+    assert len(error["error"]) < 500 and len(result.stderr.strip()) < 500
+    kept = Path(error["error"].rsplit(": ", 1)[1])
+    try:
+        assert "deep.py" in kept.read_text() and "Traceback" in kept.read_text()
+    finally:
+        kept.unlink()
 
 
 @pytest.mark.parametrize("json_flag", [["--json"], []], ids=["json", "plain"])
@@ -79,3 +87,17 @@ def test_usage_error_exit_2(json_flag, monkeypatch, capsys):
         assert "No such option: --nprocs" in error_object(captured.out, captured.err, 2)["error"]
     else:
         assert captured.out == "" and "No such option: --nprocs" in captured.err
+
+
+def test_a_loader_process_error_is_summed_up_by_its_own_last_line():
+    """What a DataLoader raises in the rank for a loader process's error: the loader's last line, and
+    the process it came from; long first lines are cut."""
+    from ddp_cli.errors import LINE_MAX, summary
+
+    pasted = RuntimeError("Caught RuntimeError in DataLoader worker process 3.\nOriginal Traceback (most "
+                          "recent call last):\n  File \"x.py\", line 2, in f\n    g()\nRuntimeError: "
+                          "unable to allocate shared memory(shm) for file </torch_1_2_3>")
+    assert summary(pasted) == ("RuntimeError: unable to allocate shared memory(shm) for file </torch_1_2_3> "
+                               "(in DataLoader worker process 3)")
+    assert summary(KeyError("k")) == "KeyError: 'k'"
+    assert len(summary(ValueError("x" * 5000))) == LINE_MAX

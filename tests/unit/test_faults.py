@@ -18,9 +18,9 @@ def test_faults_are_read_as_kind_at_step_on_rank():
 
 
 @pytest.mark.parametrize("text", ["sigterm", "sigterm@", "sigterm@x", "sighup@3", "sigkill@3:r",
-                                  "sigterm@-1"])
+                                  "sigterm@-1", "sigkill@3:1/x"])
 def test_an_unreadable_fault_is_one_line_naming_the_variable_and_the_form(text):
-    with pytest.raises(ConfigError, match=r"DDP_FAULTS: cannot read .*; write kind@step\[:rank\]"):
+    with pytest.raises(ConfigError, match=r"DDP_FAULTS: cannot read .*; write kind@step\[:rank\]\[/restart"):
         parse_faults(text)
 
 
@@ -57,3 +57,53 @@ def test_a_sigstop_freezes_the_launcher_then_the_rank(monkeypatch):
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
     stop.after_step(4)
     assert sent == [(faults.os.getppid(), signal.SIGSTOP), (faults.os.getpid(), signal.SIGSTOP)]
+
+
+def test_a_fault_for_a_later_incarnation_fires_there_only(monkeypatch):
+    """One launch, two kills: the first in the first incarnation, the second once the agent restarted."""
+    assert parse_faults("sigkill@12:1/1") == [Fault("sigkill", 12, 1, 1)]
+    first, kills = plan("sigkill@5:1,sigkill@12:1/1", 1, monkeypatch, restarts=0)
+    for step in (5, 12):
+        first.after_step(step)
+    assert kills == [signal.SIGKILL]
+    second, kills = plan("sigkill@5:1,sigkill@12:1/1", 1, monkeypatch, restarts=1)
+    for step in (5, 12):
+        second.after_step(step)
+    assert kills == [signal.SIGKILL]
+
+
+def test_diskfull_fills_a_small_disk_only_and_needs_it_named(monkeypatch, tmp_path):
+    monkeypatch.delenv("DDP_FAULTS_DISK", raising=False)
+    with pytest.raises(ConfigError, match="needs DDP_FAULTS_DISK"):
+        parse_faults("diskfull@3")
+    monkeypatch.setenv("DDP_FAULTS_DISK", str(tmp_path))
+    usage = faults.shutil.disk_usage(tmp_path)
+    if usage.total > faults.DISK_MAX:  # the test machine's real disk: refused, untouched
+        with pytest.raises(ConfigError, match="only a disk of at most"):
+            faults.fill_disk(str(tmp_path))
+        assert not (tmp_path / faults.BALLAST).exists()
+    Usage = type(usage)
+    written = []
+
+    class Disk:
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, data):
+            if len(written) == 3:
+                raise OSError(faults.errno.ENOSPC, "No space left on device")
+            written.append(len(data))
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(faults.shutil, "disk_usage", lambda path: Usage(64 << 20, 64 << 20, 0))
+    monkeypatch.setattr(faults, "open", Disk, raising=False)
+    faults.fill_disk(str(tmp_path))
+    assert written == [1 << 20] * 3  # written until the disk refused

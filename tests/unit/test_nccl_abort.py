@@ -112,3 +112,9 @@ def test_nccls_warn_lines_are_kept_unless_the_user_chose_a_level(monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "TRACE")
     configure_logging(verbose=False)
     assert os.environ["NCCL_DEBUG"] == "TRACE"
+
+
+def test_a_rank_killed_by_sigbus_points_at_dev_shm(tmp_path):
+    """A rank writing to a shared-memory segment that /dev/shm could not back dies by SIGBUS."""
+    message = str(died(tmp_path, PLAIN, signal.SIGBUS))
+    assert message.startswith("worker rank 1 was killed by SIGBUS (a bus error: most often /dev/shm full")

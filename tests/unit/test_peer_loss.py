@@ -62,6 +62,15 @@ def test_a_timeout_is_a_hang_and_a_closed_connection_a_loss_naming_rank_and_node
     assert host.startswith("node 0 (rank 0's node, host of the job's store) was lost")
 
 
+def test_a_connection_to_the_store_that_timed_out_is_not_called_a_collectives_timeout():
+    """What 32 ranks on 2 cores met: a rank's connection to node 0's store took longer than 5 s to be
+    accepted; it was reported as "a collective timed out after distributed.timeout_s = 600 s"."""
+    said = "The client socket has timed out after 5000ms while trying to connect to (localhost, 35065)."
+    line = describe_loss(dist.DistNetworkError(said), [], CTX, 600)
+    assert "could not be reached in time" in line and f"(DistNetworkError: {said})" in line
+    assert "collective" not in line and "600" not in line
+
+
 def test_an_error_nccl_raised_is_described_in_nccls_words():
     said = "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, remote process exited " \
         "or there was a network error, NCCL version 2.27.5"
@@ -124,7 +133,7 @@ def test_the_pulse_names_the_ranks_that_went_silent(monkeypatch):
     monkeypatch.setattr(heartbeat, "BEAT_S", 0.2)
     monkeypatch.setattr(heartbeat, "READ_TIMEOUT_S", 1.0)
     world = [DistContext(r, 3, r, 3, torch.device("cpu"), "gloo") for r in range(3)]
-    pulses = [Heartbeat.start(world[0]), Heartbeat.start(world[1])]
+    pulses = [Heartbeat.start(world[0], 30), Heartbeat.start(world[1], 30)]
     assert pulses[0].silent() == [2]
     assert pulses[1].silent() == [2]
     del server  # the store's host is gone: the pulse cannot say who is alive
@@ -133,7 +142,7 @@ def test_the_pulse_names_the_ranks_that_went_silent(monkeypatch):
 
 def test_outside_an_elastic_agent_there_is_no_pulse(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    assert Heartbeat.start(CTX) is None
+    assert Heartbeat.start(CTX, 30) is None
 
 
 def test_nodes_without_a_rendezvous_id_derive_the_same_one_from_the_endpoint():
@@ -175,3 +184,7 @@ def test_a_host_that_cannot_open_its_store_says_why_and_a_timeout_asks_for_the_o
         error = rendezvous_failure(err, "node0:29400", hosts, 60)
         assert isinstance(error, DataError) and "rendezvous failed within 60s" in str(error)
         assert "is every node up" in str(error)
+    closed = RendezvousConnectionError("The connection to the C10d store has failed.")
+    closed.__cause__ = dist.DistNetworkError("Broken pipe\n(a C++ stack)")
+    assert "(RendezvousConnectionError: DistNetworkError: Broken pipe)" in str(  # the store's own words
+        rendezvous_failure(closed, "node0:29400", False, 60))

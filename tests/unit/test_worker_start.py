@@ -42,3 +42,15 @@ def test_the_environment_can_ask_for_spawn(one_thread, monkeypatch):
     monkeypatch.setattr(launch, "cuda_devices", lambda: 0)
     monkeypatch.setenv(launch.WORKER_START, "spawn")
     assert launch.worker_start() == "spawn"
+
+
+def test_the_launcher_raises_its_open_files_soft_limit_to_the_hard_one(monkeypatch):
+    """A gloo worker holds a socket per peer: at 512 ranks, near the usual soft limit of 1024."""
+    limits = {"now": (1024, 524288)}
+    monkeypatch.setattr(launch.resource, "getrlimit", lambda which: limits["now"])
+    monkeypatch.setattr(launch.resource, "setrlimit", lambda which, value: limits.update(now=value))
+    launch.more_open_files()
+    assert limits["now"] == (524288, 524288)
+    limits["now"] = (20000, 20000)
+    launch.more_open_files()  # nothing to raise
+    assert limits["now"] == (20000, 20000)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import fsspec
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, get_worker_info
 
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.fetch.parquet_reader import ParquetReader, row_file
@@ -239,11 +239,21 @@ class Batch(NamedTuple):
 
 def collate(items: list[tuple]) -> Batch:
     """The DataLoader's collate_fn: the default one, read by name; images the rank decodes (data.decode =
-    "gpu") packed with the rest as one `DeferredBatch`."""
+    "gpu") packed with the rest as one `DeferredBatch`. In a loader process the batch's tensors are placed
+    in shared memory here, where a full /dev/shm raises in the loader and reaches the rank; left to the
+    queue's feeder thread (the labels were), the failure was only printed there, the batch lost, and the
+    rank waited for it until killed."""
     if any(isinstance(item[0], Deferred) for item in items):
         images = collate_images([item[0] for item in items])
-        return Batch(images, *default_collate([item[1:] for item in items]))
-    return Batch(*default_collate(items))
+        batch = Batch(images, *default_collate([item[1:] for item in items]))
+    else:
+        batch = Batch(*default_collate(items))
+    if get_worker_info() is not None:
+        images = batch.images
+        for tensor in (images.pixels, images.data) if isinstance(images, DeferredBatch) else (images,):
+            tensor.share_memory_()
+        batch.labels.share_memory_()
+    return batch
 
 
 def skipped_files(field: Sequence[str]) -> list[str]:
