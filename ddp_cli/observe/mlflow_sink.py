@@ -7,7 +7,8 @@ model can be registered. Under `ddp sweep` the run is nested under the sweep's (
 
 Training never waits for the tracking server: `write` queues, the thread sends. A server that fails
 is warned of once; what it refused is kept and sent again (every RETRY_S) until the run ends, and
-what is still unsent then (after CLOSE_S at most) is said in one line, not raised.
+what is still unsent then (after CLOSE_S at most, one more try if it never answered) is said in one
+line, not raised.
 """
 
 from __future__ import annotations
@@ -105,9 +106,14 @@ class MlflowSink:
         while True:
             closing_at = self.take(closing_at)
             self.flush()
-            if closing_at is not None and (not self.backlog or time.monotonic() - closing_at > CLOSE_S):
+            if closing_at is not None and (not self.backlog or time.monotonic() - closing_at > self.patience()):
                 self.finish()
                 return
+
+    def patience(self) -> float:
+        """How long the run's end waits for the server: CLOSE_S, or one more try for one that has not
+        answered once (down since the run began)."""
+        return CLOSE_S if self.run_id else RETRY_S / 2
 
     def take(self, closing_at: float | None) -> float | None:
         """Wait for the next update (RETRY_S at most while some wait to be sent again), then take every

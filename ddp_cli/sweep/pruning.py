@@ -57,7 +57,7 @@ class EpochGate:
         try:
             trial = self.trial or self.open()
             trial.report(value, epoch)
-            return trial.should_prune()
+            return bool(trial.should_prune())
         except Exception as e:
             self.broken = True
             log.warning(f"warning: sweep trial {self.spec['number']}: cannot report epoch {epoch} to "

@@ -41,7 +41,7 @@ def open_storage(url: str, heartbeat: bool = True) -> Any:
     warnings.filterwarnings("ignore", "Heartbeat of storage")  # ddp sweeps beat themselves (study.py)
     engine = {"connect_args": {"timeout": 60}} if scheme == "sqlite" else {"pool_pre_ping": True}
     beats = {"heartbeat_interval": HEARTBEAT_S, "grace_period": GRACE_S,
-             "heartbeat_stale_trial_callback": requeue()} \
+             "heartbeat_stale_trial_callback": requeue} \
         if heartbeat else {}
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=engine, **beats)
@@ -53,18 +53,14 @@ def open_storage(url: str, heartbeat: bool = True) -> Any:
                         f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
 
 
-def requeue() -> Any:
-    """What runs a cut trial again: a waiting trial with its parameters (RETRIES times at most)."""
-    import optuna
-
-    return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=RETRIES)
+def requeue(study: Any, trial: Any) -> None:
+    """A cut trial run again: queued with its parameters, RETRIES times at most for one set of them.
+    (The study's storage calls it for a trial silent past its grace period.)"""
+    retries = trial.user_attrs.get("ddp_retries", 0)
+    if retries < RETRIES:
+        study.enqueue_trial(trial.params, user_attrs={"ddp_retry_of": trial.number, "ddp_retries": retries + 1})
 
 
 def cut_trials(trials: list[Any]) -> set[int]:
     """The numbers of the trials that were cut and queued again (`requeue`)."""
-    cut: set[int] = set()
-    for trial in trials:
-        cut.update(trial.system_attrs.get("retry_history", []))
-        if "failed_trial" in trial.system_attrs:
-            cut.add(trial.system_attrs["failed_trial"])
-    return cut
+    return {t.user_attrs["ddp_retry_of"] for t in trials if "ddp_retry_of" in t.user_attrs}

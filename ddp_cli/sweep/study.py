@@ -126,15 +126,22 @@ def recover(study: Any) -> list[int]:
     from optuna.trial import TrialState
 
     optuna.storages.fail_stale_trials(study)  # another node's, silent past the grace period
-    retry = requeue()
     cut = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if owner_gone(trial.user_attrs.get("ddp_owner")):
             study._storage.set_trial_user_attr(trial._trial_id, "ddp_failure", "cut: its sweep process ended")
             if study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
-                retry(study, study._storage.get_trial(trial._trial_id))
+                requeue(study, study._storage.get_trial(trial._trial_id))
                 cut.append(trial.number)
     return cut
+
+
+def counted(study: Any) -> int:
+    """Trials that count towards --trials: finished or running, and failed ones but those cut and
+    queued again (their retry counts instead)."""
+    every = study.get_trials(deepcopy=False)
+    cut = cut_trials(every)
+    return sum(t.state.name in FINISHED or (t.state.name == "FAIL" and t.number not in cut) for t in every)
 
 
 def objective_value(run_dir: Path, space: Space) -> float | None:
@@ -182,7 +189,7 @@ class Sweep:
             log.info(f"trial {number} was cut by the end of its sweep process: failed, queued again")
         tracking = self.parent_run()
         started = time.monotonic()
-        while self.counted(study) < self.total():
+        while counted(study) < self.total():
             if self.opts.timeout and time.monotonic() - started > self.opts.timeout:
                 break
             row = self.one_trial(study, tracking)
@@ -201,13 +208,6 @@ class Sweep:
         for param in self.space.params:
             points *= len(param.grid())
         return min(self.opts.trials, points)
-
-    def counted(self, study: Any) -> int:
-        """Trials that count towards --trials: finished or running, and failed ones but those cut and
-        queued again (their retry counts instead)."""
-        every = study.get_trials(deepcopy=False)
-        cut = cut_trials(every)
-        return sum(t.state.name in FINISHED or (t.state.name == "FAIL" and t.number not in cut) for t in every)
 
     def one_trial(self, study: Any, tracking: MlflowSink | None) -> dict[str, Any]:
         trial = study.ask()
@@ -262,7 +262,7 @@ class Sweep:
 
         trial.set_user_attr("ddp_failure", why)
         study.tell(trial, state=TrialState.FAIL)
-        requeue()(study, study._storage.get_trial(trial._trial_id))
+        requeue(study, study._storage.get_trial(trial._trial_id))
 
     def parent_run(self) -> MlflowSink | None:
         """The sweep's own MLflow run, which each trial's run nests under ([logging.mlflow] asks)."""
