@@ -18,12 +18,13 @@ from ddp_cli.userfiles import parse_toml, read_text
 TABLES = ("params", "objective", "sampler", "pruner")
 METRICS = {"top1": "maximize", "top5": "maximize", "loss": "minimize"}  # each one's natural direction
 DIRECTIONS = ("maximize", "minimize")
-# each sampler's and pruner's options and their defaults (Optuna's names; asha's reduction factor 3, not
-# Optuna's 4: a sweep of tens of trials keeps a third at each rung)
+# each sampler's and pruner's options and their defaults (Optuna's names). asha: a reduction factor of 3,
+# not Optuna's 4 (a sweep of tens of trials keeps a third at each rung), and its first rung at epoch
+# 1 x 3^1 = 3, not 1: the first epoch is mostly warmup's, its accuracy says little of the last one's
 SAMPLERS: dict[str, dict[str, Any]] = {"tpe": {"seed": 0, "n_startup_trials": 10},
                                        "random": {"seed": 0}, "grid": {"seed": 0}}
 PRUNERS: dict[str, dict[str, Any]] = {
-    "asha": {"min_resource": 1, "reduction_factor": 3, "min_early_stopping_rate": 0},
+    "asha": {"min_resource": 1, "reduction_factor": 3, "min_early_stopping_rate": 1},
     "median": {"n_startup_trials": 5, "n_warmup_steps": 1},
     "none": {},
 }
@@ -49,7 +50,8 @@ class Param:
         if self.integer:
             return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1),
                                      log=self.log)
-        return trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
+        value = trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
+        return round(value, 12) if self.step else value  # 0.85, not Optuna's 0.8500000000000001
 
     def grid(self) -> list[Any]:
         """Every value a grid search tries."""

@@ -13,7 +13,7 @@ from ddp_cli.errors import ConfigError, DataError, require_extra, require_module
 HEARTBEAT_S = 10  # a running trial's sweep process says it is alive this often
 GRACE_S = 60  # ... and a trial silent for longer is stale: failed, and run again
 RETRIES = 3  # how often one set of parameters is run again after its trial was cut
-DRIVERS = {"postgresql": ("psycopg2", "psycopg2-binary"), "postgres": ("psycopg2", "psycopg2-binary")}
+DRIVERS = {"postgresql": ("psycopg", "psycopg"), "postgres": ("psycopg", "psycopg")}  # SQLAlchemy 2.1: psycopg 3
 
 
 def masked(url: str) -> str:

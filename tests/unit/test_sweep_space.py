@@ -33,11 +33,11 @@ def test_the_shipped_demo_space_reads_with_its_kinds_of_range():
     got = load_space(REPO / "configs" / "demo-space.toml", BASE)
     kinds = {p.key: p for p in got.params}
     assert kinds["optim.lr_per_256"].log and not kinds["optim.lr_per_256"].integer
-    assert kinds["schedule.warmup_epochs"].integer and kinds["schedule.warmup_epochs"].grid() == [0, 1, 2]
+    assert kinds["optim.momentum"].step == 0.05 and kinds["optim.momentum"].grid() == [0.8, 0.85, 0.9, 0.95]
     assert kinds["optim.label_smoothing"].choices == (0.0, 0.1)
     assert (got.metric, got.direction) == ("top1", "maximize")
     assert got.sampler == {"name": "tpe", "seed": 0, "n_startup_trials": 6}
-    assert got.pruner == {"name": "asha", "min_resource": 1, "reduction_factor": 3, "min_early_stopping_rate": 0}
+    assert got.pruner == {"name": "asha", "min_resource": 1, "reduction_factor": 3, "min_early_stopping_rate": 1}
 
 
 def test_defaults_and_nested_tables(tmp_path):
@@ -103,6 +103,15 @@ def test_each_param_suggests_within_its_range():
         values = {p.key: p.suggest(trial) for p in got.params}
         assert 0.05 <= values["optim.lr_per_256"] <= 3.0
         assert values["optim.label_smoothing"] in (0.0, 0.1)
-        assert isinstance(values["schedule.warmup_epochs"], int) and 0 <= values["schedule.warmup_epochs"] <= 2
+        assert values["optim.momentum"] in (0.8, 0.85, 0.9, 0.95)
         BASE.resolved(values)  # every sampled set is a valid run config
         study.tell(trial, 0.0)
+
+
+def test_an_int_range_suggests_ints(tmp_path):
+    import optuna
+
+    got = space(tmp_path, '[params]\n"schedule.warmup_epochs" = { low = 0, high = 2 }\n')
+    assert got.params[0].integer and got.params[0].grid() == [0, 1, 2]
+    trial = optuna.create_study().ask()
+    assert isinstance(got.params[0].suggest(trial), int)
