@@ -157,7 +157,7 @@ def postgres_url():
 
 def test_two_sweep_processes_share_one_postgresql_study_and_run_each_trial_once(
         tmp_path, space, demo_registry, postgres_url):
-    runs = [LiveRun(*sweep_args(space, demo_registry, "--trials", "3", "--study", "shared",
+    runs = [LiveRun(*sweep_args(space, demo_registry, "--trials", "2", "--study", "shared",
                                 "--storage", postgres_url, "--sweep-dir", str(tmp_path / name), "--json"))
             for name in ("a", "b")]
     try:
@@ -169,7 +169,7 @@ def test_two_sweep_processes_share_one_postgresql_study_and_run_each_trial_once(
     trials = load(tmp_path, "shared", postgres_url).get_trials()
     numbers = [t.number for t in trials]
     assert len(numbers) == len(set(numbers)) and all(t.state.name == "COMPLETE" for t in trials)
-    assert 3 <= len(trials) <= 4  # each process checks the count before it asks: one more at most
+    assert 2 <= len(trials) <= 3  # each process checks the count before it asks: one more at most
     ran = {name: sorted(int(p.name[6:]) for p in (tmp_path / name).glob("trial-*")) for name in ("a", "b")}
     assert sorted(ran["a"] + ran["b"]) == sorted(numbers)  # every trial run, by one process only
     assert ran["a"] and ran["b"]  # both took part
