@@ -623,7 +623,8 @@ def unknown_key(dotted: str) -> str | None:
             return f"{dotted}: unknown key: {where} has no {part!r}{did_you_mean(part, known)}"
         model = _section_type(model.model_fields[part].annotation)
     if model is not None:
-        return f"{dotted}: a section, not a key; name one of its keys ({', '.join(list(model.model_fields)[:6])})"
+        keys = ", ".join(list(model.model_fields)[:6])
+        return f"{dotted}: a section, not a key; name one of its keys ({keys})"
     return None
 
 

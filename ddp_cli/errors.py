@@ -97,6 +97,9 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "sweep": ("optuna", "optuna"),
     "mlflow": ("mlflow", "mlflow"),
 }
+# The modules an extra brings beside its main one (`require_module` checks each where it is needed): the
+# PostgreSQL driver of ddp sweep's storages (psycopg 3, SQLAlchemy 2.1's default for postgresql://)
+ALSO_IN: dict[str, tuple[tuple[str, str], ...]] = {"sweep": (("psycopg", "psycopg"),)}
 
 
 def require_extra(extra: str, what: str, otherwise: str = "") -> None:

@@ -264,7 +264,8 @@ def print_sweep_report(result: dict[str, Any]) -> None:
                   title=f"study {escape(result['study'])} ({result['direction']}, pruner {result['pruner']})",
                   title_justify="left")
     sign = -1 if result["direction"] == "maximize" else 1
-    for row in sorted(result["trials"], key=lambda r: (r["value"] is None, sign * (r["value"] or 0), r["trial"])):
+    for row in sorted(result["trials"],
+                      key=lambda r: (r["value"] is None, sign * (r["value"] or 0), r["trial"])):
         value = "-" if row["value"] is None else f"{row['value']:.4f}"
         cells = [f"{row['params'][k]:.4g}" if isinstance(row["params"].get(k), float)
                  else str(row["params"].get(k, "-")) for k in keys]

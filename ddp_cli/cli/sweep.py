@@ -21,9 +21,11 @@ class SweepGroup(DdpGroup):
     """`ddp sweep CONFIG ...` runs `ddp sweep run CONFIG ...`: a first word that names no command of
     the group is the config of a search."""
 
+    default = "run"
+
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
-            args = ["run", *args]
+            args = [self.default, *args]
         return super().parse_args(ctx, args)
 
 
@@ -39,7 +41,8 @@ StorageOpt = Annotated[str | None, typer.Option(
 
 @command(sweep_app, "run")
 def run(
-    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Run config (TOML) every trial starts from.")],
+    config: Annotated[Path, typer.Argument(
+        metavar="CONFIG", help="Run config (TOML) every trial starts from.")],
     space: Annotated[Path, typer.Option(metavar="SPACE.toml", help="The keys to search and their ranges.")],
     trials: Annotated[int, typer.Option(min=1, metavar="N", help="Finished trials the study should hold.")]
     = 20,

@@ -106,7 +106,8 @@ class MlflowSink:
         while True:
             closing_at = self.take(closing_at)
             self.flush()
-            if closing_at is not None and (not self.backlog or time.monotonic() - closing_at > self.patience()):
+            waited = time.monotonic() - closing_at if closing_at is not None else None
+            if waited is not None and (not self.backlog or waited > self.patience()):
                 self.finish()
                 return
 

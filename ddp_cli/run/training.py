@@ -174,7 +174,8 @@ def attach_artefacts(cfg: RunConfig, folder: Path, trainer: Trainer) -> None:
         return
     trainer.checkpointer.wait()
     try:
-        export_checkpoint(folder / "checkpoints" / "last.pt", "state_dict", "model", folder / "model" / "model.pt")
+        export_checkpoint(folder / "checkpoints" / "last.pt", "state_dict", "model",
+                          folder / "model" / "model.pt")
         sink.attach(folder / "model", "model")
         sink.register()
         if importlib.util.find_spec("matplotlib"):

@@ -43,7 +43,8 @@ def rows(study: Any) -> list[dict[str, Any]]:
         out.append({"trial": trial.number, "state": trial.state.name.lower(), "value": trial.value,
                     "params": trial.params, "epochs": max(trial.intermediate_values, default=None),
                     "seconds": seconds, "run_dir": trial.user_attrs.get("run_dir"),
-                    **({"error": trial.user_attrs["ddp_failure"]} if "ddp_failure" in trial.user_attrs else {})})
+                    **({"error": trial.user_attrs["ddp_failure"]}
+                       if "ddp_failure" in trial.user_attrs else {})})
     return out
 
 

@@ -129,7 +129,8 @@ def checked_param(key: str, spec: Any, base: RunConfig, where: str) -> Param:
                           f"not {spec!r}")
     for name in spec:
         if name not in (*RANGE_FIELDS, "choices"):
-            raise ConfigError(f"{label}: unknown field {name!r}{did_you_mean(name, (*RANGE_FIELDS, 'choices'))}")
+            hint = did_you_mean(name, (*RANGE_FIELDS, "choices"))
+            raise ConfigError(f"{label}: unknown field {name!r}{hint}")
     param = choices_param(key, spec, label) if "choices" in spec else range_param(key, spec, label)
     for value in param.choices or (param.low, param.high):
         refused(base, key, value, label)
@@ -183,7 +184,8 @@ def objective(raw: Any, where: str) -> tuple[str, str]:
         raise ConfigError(f"{where}: [objective] must be a table")
     for name in raw:
         if name not in ("metric", "direction"):
-            raise ConfigError(f"{where}: [objective] unknown key {name!r}{did_you_mean(name, ('metric', 'direction'))}")
+            hint = did_you_mean(name, ("metric", "direction"))
+            raise ConfigError(f"{where}: [objective] unknown key {name!r}{hint}")
     metric = raw.get("metric", "top1")
     if metric not in METRICS:
         raise ConfigError(f"{where}: [objective] metric = {metric!r}: one of {', '.join(METRICS)} "
@@ -200,7 +202,8 @@ def named_options(raw: Any, kinds: dict[str, dict[str, Any]], default: str, labe
         raise ConfigError(f"{label} must be a table")
     name = raw.get("name", default)
     if name not in kinds:
-        raise ConfigError(f"{label} name = {name!r}: one of {', '.join(kinds)}{did_you_mean(str(name), list(kinds))}")
+        hint = did_you_mean(str(name), list(kinds))
+        raise ConfigError(f"{label} name = {name!r}: one of {', '.join(kinds)}{hint}")
     options = dict(kinds[name])
     for key, value in raw.items():
         if key == "name":

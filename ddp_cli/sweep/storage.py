@@ -8,12 +8,12 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ddp_cli.errors import ConfigError, DataError, require_extra, require_module
+from ddp_cli.errors import ALSO_IN, ConfigError, DataError, require_extra, require_module
 
 HEARTBEAT_S = 10  # a running trial's sweep process says it is alive this often
 GRACE_S = 60  # ... and a trial silent for longer is stale: failed, and run again
 RETRIES = 3  # how often one set of parameters is run again after its trial was cut
-DRIVERS = {"postgresql": ("psycopg", "psycopg"), "postgres": ("psycopg", "psycopg")}  # SQLAlchemy 2.1: psycopg 3
+DRIVERS = {"postgresql": ALSO_IN["sweep"][0], "postgres": ALSO_IN["sweep"][0]}  # (module, package) by scheme
 
 
 def masked(url: str) -> str:
@@ -58,7 +58,8 @@ def requeue(study: Any, trial: Any) -> None:
     (The study's storage calls it for a trial silent past its grace period.)"""
     retries = trial.user_attrs.get("ddp_retries", 0)
     if retries < RETRIES:
-        study.enqueue_trial(trial.params, user_attrs={"ddp_retry_of": trial.number, "ddp_retries": retries + 1})
+        study.enqueue_trial(trial.params,
+                            user_attrs={"ddp_retry_of": trial.number, "ddp_retries": retries + 1})
 
 
 def cut_trials(trials: list[Any]) -> set[int]:

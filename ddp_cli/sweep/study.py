@@ -147,7 +147,8 @@ def counted(study: Any) -> int:
 def objective_value(run_dir: Path, space: Space) -> float | None:
     """The best epoch's validation metric of a run (the space's direction decides best)."""
     path = run_dir / "metrics.jsonl"
-    values = [r[space.metric] for r in read_metrics(path) if r.get("split") == "val"] if path.is_file() else []
+    records = read_metrics(path) if path.is_file() else []
+    values = [r[space.metric] for r in records if r.get("split") == "val"]
     if not values:
         return None
     return max(values) if space.direction == "maximize" else min(values)
@@ -222,7 +223,8 @@ class Sweep:
                 "number": trial.number, "metric": self.space.metric, "pruner": self.space.pruner}
         parent = tracking.wait_for_run() if tracking else None
         env = {TRIAL_ENV: json.dumps(spec)} | ({PARENT_ENV: parent} if parent else {})
-        command = trials.train_command(self.opts.config, self.opts.overrides, params, run_dir, self.opts.registry)
+        opts = self.opts
+        command = trials.train_command(opts.config, opts.overrides, params, run_dir, opts.registry)
         started = time.monotonic()
         try:
             outcome = trials.run(command, env, self.where.folder / "logs" / f"trial-{trial.number:04d}.log",
@@ -257,7 +259,6 @@ class Sweep:
 
     def cut(self, study: Any, trial: Any, why: str) -> None:
         """A trial this process stopped (Ctrl-C, SIGTERM): failed, and queued again for the resume."""
-        import optuna
         from optuna.trial import TrialState
 
         trial.set_user_attr("ddp_failure", why)
@@ -291,7 +292,8 @@ class Sweep:
                     tracking.attach(Path(path))
             tracking.close()
         return {
-            "study": self.where.study, "storage": masked(self.where.storage), "sweep_dir": str(self.where.folder),
+            "study": self.where.study, "storage": masked(self.where.storage),
+            "sweep_dir": str(self.where.folder),
             "best": {"trial": best.number, "value": best.value, "params": best.params, "config": str(config)}
             if best else None,
             "trials": {"complete": counts["complete"], "pruned": counts["pruned"], "failed": counts["fail"]},

@@ -156,7 +156,8 @@ class Trainer:
     def stopping_after(self, val: dict[str, float], epoch: int) -> bool:
         """Asks `stop_after_epoch` at every epoch's end (a sweep's trial reports each epoch), and ends
         the run there when it says so before the last epoch, once the epoch's checkpoint is on disk."""
-        if not (self.stop_after_epoch and self.stop_after_epoch(val, epoch)) or epoch == self.cfg.train.epochs:
+        asked = self.stop_after_epoch and self.stop_after_epoch(val, epoch)
+        if not asked or epoch == self.cfg.train.epochs:
             return False
         self.stopped_at = epoch
         self.checkpointer.wait()

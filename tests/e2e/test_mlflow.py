@@ -64,7 +64,8 @@ def test_a_sweeps_demo_run_reaches_the_server_nested_under_the_sweep(tmp_path, d
     space = tmp_path / "space.toml"
     space.write_text('[params]\n"optim.lr_per_256" = { choices = [0.4] }\n[pruner]\nname = "none"\n')
     result = last_json(run_ddp(
-        "sweep", "configs/demo.toml", "--space", str(space), "--trials", "1", "--registry", str(demo_registry),
+        "sweep", "configs/demo.toml", "--space", str(space), "--trials", "1",
+        "--registry", str(demo_registry),
         "--sweep-dir", str(tmp_path / "sweep"), "--json", *FAST,
         "--set", f"logging.mlflow.tracking_uri={mlflow_server}", "--set", "logging.mlflow.experiment=e2e"))
     client = MlflowClient(mlflow_server)

@@ -127,9 +127,10 @@ def postgres_url():
         subprocess.run([*as_user, str(PG_BIN / "initdb"), "-D", str(folder / "data"), "-U", "ddp",
                         "--auth=trust", "--no-sync"], check=True, capture_output=True, timeout=120)
         port = free_port()
-        server = subprocess.Popen([*as_user, str(PG_BIN / "postgres"), "-D", str(folder / "data"), "-p", str(port),
-                                   "-h", "127.0.0.1", "-k", str(folder), "-c", "fsync=off"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        server = subprocess.Popen(
+            [*as_user, str(PG_BIN / "postgres"), "-D", str(folder / "data"), "-p", str(port),
+             "-h", "127.0.0.1", "-k", str(folder), "-c", "fsync=off"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         import psycopg
 
         deadline = time.monotonic() + 60

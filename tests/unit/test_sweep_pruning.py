@@ -16,7 +16,6 @@ from ddp_cli.sweep.storage import open_storage
 from ddp_cli.sweep.study import counted, owner, recover
 from ddp_cli.train.trainer import Trainer
 
-
 ASHA = {"name": "asha", "min_resource": 1, "reduction_factor": 3, "min_early_stopping_rate": 0}
 
 

@@ -37,7 +37,8 @@ def test_the_shipped_demo_space_reads_with_its_kinds_of_range():
     assert kinds["optim.label_smoothing"].choices == (0.0, 0.1)
     assert (got.metric, got.direction) == ("top1", "maximize")
     assert got.sampler == {"name": "tpe", "seed": 0, "n_startup_trials": 6}
-    assert got.pruner == {"name": "asha", "min_resource": 1, "reduction_factor": 3, "min_early_stopping_rate": 1}
+    assert got.pruner == {"name": "asha", "min_resource": 1, "reduction_factor": 3,
+                          "min_early_stopping_rate": 1}
 
 
 def test_defaults_and_nested_tables(tmp_path):
