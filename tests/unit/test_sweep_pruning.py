@@ -76,6 +76,7 @@ def test_the_trainer_stops_after_an_epoch_the_gate_names_but_never_after_its_las
     assert Trainer.stopping_after(trainer, {"top1": 0.1}, 1) is False
 
 
+@pytest.mark.processes  # a process that has ended, for its pid
 def test_a_trial_whose_sweep_process_died_is_failed_and_queued_again_with_its_params(study):
     url, made = study
     dead = subprocess.Popen(["true"])
