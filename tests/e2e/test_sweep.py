@@ -5,6 +5,7 @@ real PostgreSQL server (on loopback, started here) and run each trial once."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -56,8 +57,8 @@ def processes_naming(text: str) -> list[str]:
 
 
 def load(folder: Path, name: str | None = None, url: str | None = None) -> optuna.Study:
-    return optuna.load_study(study_name=name or __import__("json").loads((folder / "sweep.json").read_text())
-                             ["study"], storage=url or f"sqlite:///{folder / 'study.db'}")
+    name = name or json.loads((folder / "sweep.json").read_text())["study"]
+    return optuna.load_study(study_name=name, storage=url or f"sqlite:///{folder / 'study.db'}")
 
 
 def test_a_bad_space_is_exit_2_naming_the_key_before_any_trial(tmp_path, demo_registry):
@@ -176,3 +177,41 @@ def test_two_sweep_processes_share_one_postgresql_study_and_run_each_trial_once(
     assert ran["a"] and ran["b"]  # both took part
     assert {t.user_attrs["run_dir"] for t in trials} == {str(tmp_path / n / f"trial-{i:04d}")
                                                          for n in ran for i in ran[n]}
+
+
+def test_a_pruned_trial_stops_at_its_epoch_end_cleanly_and_the_report_reads_it(tmp_path, demo_registry):
+    """A study whose one finished trial reached 0.99 at epoch 1: the sweep's next trial is below that
+    median at epoch 1 and is pruned there (of 2 epochs): exit 0, its epoch's checkpoint kept, PRUNED."""
+    url, folder = f"sqlite:///{tmp_path / 'study.db'}", tmp_path / "sweep"
+    seeded = optuna.create_study(storage=url, study_name="s", direction="maximize")
+    choice = optuna.distributions.CategoricalDistribution([0.4])
+    seeded.add_trial(optuna.trial.create_trial(params={"optim.lr_per_256": 0.4}, value=0.99,
+                                               distributions={"optim.lr_per_256": choice},
+                                               intermediate_values={1: 0.99, 2: 0.99}))
+    space = tmp_path / "space.toml"
+    space.write_text('[params]\n"optim.lr_per_256" = { choices = [0.4] }\n'
+                     '[pruner]\nname = "median"\nn_startup_trials = 1\nn_warmup_steps = 0\n')
+    run = run_ddp(*sweep_args(space, demo_registry, "--trials", "2", "--study", "s", "--storage", url,
+                              "--sweep-dir", str(folder), "--json"))
+    result = last_json(run)
+    assert result["trials"] == {"complete": 1, "pruned": 1, "failed": 0}, run.stderr[-2000:]
+    assert "trial 1: pruned at epoch 1" in run.stderr
+    trial = load(folder, "s", url).trials[1]
+    assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [1]
+    trained = json.loads((folder / "trial-0001" / "result.json").read_text())
+    assert trained["pruned_at_epoch"] == 1 and trained["epochs"] == 2
+    records = [json.loads(line) for line in (folder / "trial-0001" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r["split"] == "val"] == [1]
+    assert (folder / "trial-0001" / "checkpoints" / "last.pt").exists()
+    assert processes_naming(str(folder)) == []  # its workers ended with it
+
+    report = ddp_in_process("sweep", "report", str(folder), "--json")
+    assert report.returncode == 0, report.stderr
+    got = last_json(report)
+    assert [(r["trial"], r["state"], r["epochs"]) for r in got["trials"]] == [(0, "complete", 2),
+                                                                            (1, "pruned", 1)]
+    assert got["best"]["trial"] == 0
+    assert set(got["plots"]) <= {"history", "importances", "parallel_coordinate"}
+    assert Path(got["plots"]["history"]).is_file()
+    dry = ddp_in_process("train", got["best"]["config"], "--registry", str(demo_registry), "--dry-run")
+    assert dry.returncode == 0, dry.stderr  # the best config as `ddp train` takes it
