@@ -46,7 +46,8 @@ def print_train_summary(result: dict[str, Any]) -> None:
         Console().print(f"storage:    {result['io_retries']} transient error(s) retried (data.io_retries)",
                         highlight=False)
     if result.get("pruned_at_epoch"):
-        Console().print(f"pruned:     after epoch {result['pruned_at_epoch']} by the sweep's pruner", highlight=False)
+        Console().print(f"pruned:     after epoch {result['pruned_at_epoch']} by the sweep's pruner",
+                        highlight=False)
 
 
 def print_validation(result: dict[str, Any]) -> None:

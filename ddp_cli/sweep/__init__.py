@@ -1,5 +1,6 @@
 """`ddp sweep`: a hyperparameter search on Optuna, each trial a whole `ddp train` run.
-Imports config, registry and observe; space.py and storage.py sit low (beside the registry) and pruning.py below run/ (the trial's workers import it); the loop and the report above run/, never cli/.
+May import config, registry, observe and the foundations (space.py and storage.py sit low, pruning.py
+below run/, whose workers import it; the loop and the report above run/); never run/ or cli/.
 
 space.py reads SPACE.toml against the run config's schema; pruning.py is the trial's side (each
 epoch's validation reported to the study, the run stopped at the epoch end the pruner names);

@@ -200,7 +200,8 @@ def test_a_pruned_trial_stops_at_its_epoch_end_cleanly_and_the_report_reads_it(t
     assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [1]
     trained = json.loads((folder / "trial-0001" / "result.json").read_text())
     assert trained["pruned_at_epoch"] == 1 and trained["epochs"] == 2
-    records = [json.loads(line) for line in (folder / "trial-0001" / "metrics.jsonl").read_text().splitlines()]
+    lines = (folder / "trial-0001" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
     assert [r["epoch"] for r in records if r["split"] == "val"] == [1]
     assert (folder / "trial-0001" / "checkpoints" / "last.pt").exists()
     assert processes_naming(str(folder)) == []  # its workers ended with it

@@ -9,7 +9,6 @@ from ddp_cli.config import load_config
 from ddp_cli.models import known_models
 from ddp_cli.sweep.space import load_space
 
-
 SPACES = sorted((REPO / "configs").rglob("*-space.toml"))  # a sweep's space beside its config
 
 
