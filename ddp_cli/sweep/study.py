@@ -119,9 +119,9 @@ def owner_gone(who: Any) -> bool:
         return True
 
 
-def recover(study: Any) -> list[int]:
+def recover(study: Any, storage: Any) -> list[int]:
     """Trials cut by the death of their sweep process: failed, and queued again (same parameters).
-    Returns their numbers."""
+    Returns their numbers. (`storage`: the study's, whose calls take a trial's id.)"""
     import optuna
     from optuna.trial import TrialState
 
@@ -129,9 +129,9 @@ def recover(study: Any) -> list[int]:
     cut = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if owner_gone(trial.user_attrs.get("ddp_owner")):
-            study._storage.set_trial_user_attr(trial._trial_id, "ddp_failure", "cut: its sweep process ended")
-            if study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
-                requeue(study, study._storage.get_trial(trial._trial_id))
+            storage.set_trial_user_attr(trial._trial_id, "ddp_failure", "cut: its sweep process ended")
+            if storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
+                requeue(study, storage.get_trial(trial._trial_id))
                 cut.append(trial.number)
     return cut
 
@@ -163,14 +163,17 @@ class Sweep:
         self.where = place(opts, self.base)
         self.failures: list[tuple[int, str]] = []
         self.in_a_row = 0  # trials failed in a row: FAILS_IN_A_ROW of them stop the sweep
+        self.storage: Any = None  # the study's (open), and the sweep's MLflow run id, if any
+        self.parent_id: str | None = None
 
     def open(self) -> Any:
         import optuna
 
         where = self.where
         where.folder.mkdir(parents=True, exist_ok=True)
+        self.storage = open_storage(where.storage)
         study = optuna.create_study(
-            storage=open_storage(where.storage), study_name=where.study, direction=self.space.direction,
+            storage=self.storage, study_name=where.study, direction=self.space.direction,
             sampler=build_sampler(self.space, self.space.sampler["seed"]),
             pruner=build_pruner(self.space.pruner), load_if_exists=True)
         if study.direction.name.lower() != self.space.direction:
@@ -186,14 +189,15 @@ class Sweep:
 
     def run(self) -> dict[str, Any]:
         study = self.open()
-        for number in recover(study):
+        for number in recover(study, self.storage):
             log.info(f"trial {number} was cut by the end of its sweep process: failed, queued again")
         tracking = self.parent_run()
+        self.parent_id = tracking.wait_for_run() if tracking else None  # for the trials to nest under
         started = time.monotonic()
         while counted(study) < self.total():
             if self.opts.timeout and time.monotonic() - started > self.opts.timeout:
                 break
-            row = self.one_trial(study, tracking)
+            row = self.one_trial(study)
             self.progress(row)
             self.in_a_row = self.in_a_row + 1 if row["state"] == "failed" else 0
             if self.in_a_row == FAILS_IN_A_ROW:
@@ -210,10 +214,10 @@ class Sweep:
             points *= len(param.grid())
         return min(self.opts.trials, points)
 
-    def one_trial(self, study: Any, tracking: MlflowSink | None) -> dict[str, Any]:
+    def one_trial(self, study: Any) -> dict[str, Any]:
         trial = study.ask()
         trial.set_user_attr("ddp_owner", owner())
-        study._storage.record_heartbeat(trial._trial_id)
+        self.storage.record_heartbeat(trial._trial_id)
         if self.space.sampler["name"] != "grid":  # trial N samples with seed + N: a resumed or shared
             study.sampler = build_sampler(self.space, self.space.sampler["seed"] + trial.number)  # study too
         params = {p.key: p.suggest(trial) for p in self.space.params}
@@ -221,14 +225,13 @@ class Sweep:
         trial.set_user_attr("run_dir", str(run_dir))
         spec = {"storage": self.where.storage, "study": self.where.study, "trial": trial._trial_id,
                 "number": trial.number, "metric": self.space.metric, "pruner": self.space.pruner}
-        parent = tracking.wait_for_run() if tracking else None
-        env = {TRIAL_ENV: json.dumps(spec)} | ({PARENT_ENV: parent} if parent else {})
+        env = {TRIAL_ENV: json.dumps(spec)} | ({PARENT_ENV: self.parent_id} if self.parent_id else {})
         opts = self.opts
         command = trials.train_command(opts.config, opts.overrides, params, run_dir, opts.registry)
         started = time.monotonic()
         try:
             outcome = trials.run(command, env, self.where.folder / "logs" / f"trial-{trial.number:04d}.log",
-                                 lambda: study._storage.record_heartbeat(trial._trial_id))
+                                 lambda: self.storage.record_heartbeat(trial._trial_id))
         except (KeyboardInterrupt, SystemExit) as stop:
             self.cut(study, trial, f"interrupted (exit {trials.interrupted_code(stop)})")
             raise
@@ -243,7 +246,7 @@ class Sweep:
         if outcome.code == 0 and outcome.pruned_at:
             study.tell(trial, state=TrialState.PRUNED)
             return row | {"state": "pruned", "epochs": outcome.pruned_at,
-                          "value": study._storage.get_trial(trial._trial_id).value}
+                          "value": self.storage.get_trial(trial._trial_id).value}
         value = objective_value(run_dir, self.space) if outcome.code == 0 else None
         if value is not None:
             study.tell(trial, value)
@@ -263,7 +266,7 @@ class Sweep:
 
         trial.set_user_attr("ddp_failure", why)
         study.tell(trial, state=TrialState.FAIL)
-        requeue(study, study._storage.get_trial(trial._trial_id))
+        requeue(study, self.storage.get_trial(trial._trial_id))
 
     def parent_run(self) -> MlflowSink | None:
         """The sweep's own MLflow run, which each trial's run nests under ([logging.mlflow] asks)."""

@@ -52,11 +52,14 @@ def train_command(config: Path, overrides: list[str], params: dict[str, Any], ru
             *(["--registry", registry] if registry else [])]
 
 
+# looked up here, not in the child: between fork and exec only the call itself runs
+PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def stop_with_parent() -> None:
-    """In the trial's process before it runs: SIGTERM when the sweep dies (Linux), a session of its own."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    """In the trial's process before it runs: SIGTERM when the sweep dies (Linux's parent-death signal)."""
+    if PRCTL is not None:
+        PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def run(command: list[str], env: dict[str, str], log: Path, beat: Callable[[], None]) -> Outcome:
@@ -66,7 +69,7 @@ def run(command: list[str], env: dict[str, str], log: Path, beat: Callable[[], N
     out = log.with_suffix(".json")
     with open(log, "ab") as err, open(out, "wb") as stdout:
         process = subprocess.Popen(command, stdout=stdout, stderr=err, env={**os.environ, **env},
-                                   preexec_fn=stop_with_parent)  # noqa: PLW1509 - no threads here
+                                   start_new_session=True, preexec_fn=stop_with_parent)
         previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
         try:
             while True:

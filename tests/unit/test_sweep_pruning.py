@@ -88,7 +88,7 @@ def test_a_trial_whose_sweep_process_died_is_failed_and_queued_again_with_its_pa
         trial.set_user_attr("ddp_owner", who)
     params = made._storage.get_trial(cut._trial_id).params
     assert counted(made) == 6
-    assert recover(made) == [cut.number]
+    assert recover(made, made._storage) == [cut.number]
     states = {t.number: t.state.name for t in made.get_trials()}
     assert states[cut.number] == "FAIL" and states[live.number] == states[remote.number] == "RUNNING"
     retry = made.get_trials(states=(optuna.trial.TrialState.WAITING,))
@@ -97,5 +97,5 @@ def test_a_trial_whose_sweep_process_died_is_failed_and_queued_again_with_its_pa
     again = made.ask()
     again.set_user_attr("ddp_owner", owner())  # as the sweep does at once
     assert again.number == retry[0].number and again.suggest_float("x", 0, 1) == params["x"]
-    assert recover(made) == []  # found once
+    assert recover(made, made._storage) == []  # found once
     assert os.getpid() == owner()["pid"]
