@@ -37,8 +37,9 @@ def test_the_shipped_demo_space_reads_with_its_kinds_of_range():
     assert kinds["optim.label_smoothing"].choices == (0.0, 0.1)
     assert (got.metric, got.direction) == ("top1", "maximize")
     assert got.sampler == {"name": "tpe", "seed": 0, "n_startup_trials": 6}
-    assert got.pruner == {"name": "asha", "min_resource": 1, "reduction_factor": 3,
+    assert got.pruner == {"name": "asha", "min_resource": 1, "reduction_factor": 2,
                           "min_early_stopping_rate": 1}
+    assert load_space(REPO / "configs" / "demo-space.toml", BASE).pruner != space_defaults()
 
 
 def test_defaults_and_nested_tables(tmp_path):
@@ -116,3 +117,16 @@ def test_an_int_range_suggests_ints(tmp_path):
     assert got.params[0].integer and got.params[0].grid() == [0, 1, 2]
     trial = optuna.create_study().ask()
     assert isinstance(got.params[0].suggest(trial), int)
+
+
+def space_defaults() -> dict:
+    """asha's defaults, as a space without [pruner] options gets them: rungs at epochs 3, 9, ..."""
+    from ddp_cli.sweep.space import PRUNERS
+
+    return {"name": "asha", **PRUNERS["asha"]}
+
+
+def test_asha_defaults_put_the_first_rung_after_warmup(tmp_path):
+    got = space(tmp_path, '[params]\n"optim.lr_per_256" = { low = 0.1, high = 1.0 }\n')
+    assert got.pruner == space_defaults() == {"name": "asha", "min_resource": 1, "reduction_factor": 3,
+                                              "min_early_stopping_rate": 1}
