@@ -68,6 +68,7 @@ class MlflowSink:
         self.inbox: queue.Queue = queue.Queue()
         self.backlog: list[tuple[str, Any]] = []
         self.warned = False
+        self.next_try = 0.0  # no try before this (monotonic time), after a failure
         self.ready = threading.Event()  # set once the run is made
         self.thread = threading.Thread(target=self.send_loop, name="ddp-mlflow", daemon=True)
         self.thread.start()
@@ -134,6 +135,9 @@ class MlflowSink:
         return closing_at
 
     def flush(self) -> None:
+        """Send the backlog in order, unless the last failure was less than RETRY_S ago."""
+        if time.monotonic() < self.next_try:
+            return
         try:
             self.start()
             while self.backlog:
@@ -143,6 +147,7 @@ class MlflowSink:
             self.failed(e)
 
     def failed(self, error: Exception) -> None:
+        self.next_try = time.monotonic() + RETRY_S
         if not self.warned:
             self.warned = True
             text = str(error).splitlines()[0] if str(error) else ""
