@@ -53,7 +53,7 @@ def test_params_metrics_and_artefacts_reach_the_run(tmp_path, monkeypatch):
     assert [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2.1]
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id)) == ["model", "report.png"]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.pt"]
-    assert client.get_latest_versions("digits")[0].run_id == run.info.run_id
+    assert [v.run_id for v in client.search_model_versions("name = 'digits'")] == [run.info.run_id]
 
 
 def closed_port() -> int:
