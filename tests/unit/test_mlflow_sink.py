@@ -28,7 +28,8 @@ def test_params_metrics_and_artefacts_reach_the_run(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    parent = MlflowClient(uri).create_run(MlflowClient(uri).create_experiment("sweeps")).info.run_id
+    experiment = MlflowClient(uri).create_experiment("sweeps", artifact_location=(tmp_path / "store").as_uri())
+    parent = MlflowClient(uri).create_run(experiment).info.run_id
     monkeypatch.setenv(PARENT_ENV, parent)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "model.pt").write_bytes(b"weights")
