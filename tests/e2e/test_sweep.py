@@ -88,6 +88,9 @@ def test_a_sweep_killed_mid_trial_resumes_with_no_trial_lost_or_run_twice(tmp_pa
     while processes_naming(str(folder)) and time.monotonic() < deadline:
         time.sleep(0.5)  # the trial was told to stop (SIGTERM) when its sweep died
     assert processes_naming(str(folder)) == []
+    cut_log = (folder / "logs" / "trial-0001.log").read_text()
+    assert "stopped by SIGTERM" in cut_log, cut_log[-2000:]  # told to stop, not left to run on its own
+    assert not (folder / "trial-0001" / "result.json").exists()
 
     result = last_json(run_ddp(*args))
     assert result["trials"] == {"complete": 2, "pruned": 0, "failed": 1}
