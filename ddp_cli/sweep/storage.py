@@ -5,7 +5,10 @@ marked failed and queued again with the same parameters.
 
 from __future__ import annotations
 
+import random
+import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from ddp_cli.errors import ALSO_IN, ConfigError, DataError, require_extra, require_module
@@ -44,13 +47,27 @@ def open_storage(url: str, heartbeat: bool = True) -> Any:
              "heartbeat_stale_trial_callback": requeue} \
         if heartbeat else {}
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine, **beats)
+        return first_to_make_the_schema(
+            lambda: optuna.storages.RDBStorage(url, engine_kwargs=engine, **beats))
     except (ArgumentError, NoSuchModuleError, ValueError) as e:
         raise ConfigError(f"--storage {masked(url)}: not a storage URL Optuna takes ({e}); e.g. "
                           "sqlite:///sweep.db or postgresql://user:password@host/db") from None
     except Exception as e:
         raise DataError(f"--storage {masked(url)}: cannot open the study storage: "
                         f"{type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
+def first_to_make_the_schema(opening: Callable[[], Any], tries: int = 5) -> Any:
+    """`opening()`, again after a moment when it lost the race to make a new database's tables to another
+    sweep process starting at the same time (PostgreSQL says IntegrityError); then the tables are there."""
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+    for _ in range(tries - 1):
+        try:
+            return opening()
+        except (IntegrityError, ProgrammingError):
+            time.sleep(0.5 + random.random())
+    return opening()
 
 
 def requeue(study: Any, trial: Any) -> None:

@@ -28,7 +28,8 @@ def test_params_metrics_and_artefacts_reach_the_run(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    experiment = MlflowClient(uri).create_experiment("sweeps", artifact_location=(tmp_path / "store").as_uri())
+    store = (tmp_path / "store").as_uri()  # a sqlite store's artefacts go to ./mlruns unless told
+    experiment = MlflowClient(uri).create_experiment("sweeps", artifact_location=store)
     parent = MlflowClient(uri).create_run(experiment).info.run_id
     monkeypatch.setenv(PARENT_ENV, parent)
     (tmp_path / "model").mkdir()
