@@ -99,3 +99,23 @@ def test_a_trial_whose_sweep_process_died_is_failed_and_queued_again_with_its_pa
     assert again.number == retry[0].number and again.suggest_float("x", 0, 1) == params["x"]
     assert recover(made, made._storage) == []  # found once
     assert os.getpid() == owner()["pid"]
+
+
+def test_a_storage_whose_tables_another_sweep_was_making_is_opened_again(monkeypatch):
+    from sqlalchemy.exc import IntegrityError
+
+    from ddp_cli.sweep import storage
+
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    calls = []
+
+    def opening():
+        calls.append(1)
+        if len(calls) < 3:
+            raise IntegrityError("INSERT INTO version_info", {}, Exception("duplicate key"))
+        return "storage"
+
+    assert storage.first_to_make_the_schema(opening) == "storage" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(IntegrityError):
+        storage.first_to_make_the_schema(opening, tries=2)  # fails twice: the second failure is raised
