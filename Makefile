@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed
 # the site: strict (a broken link, page or anchor fails), offline; without Material's notice
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-.PHONY: setup train test test-fast test-scale test-chaos test-cpu-kinds test-cuda gpu-check lint docs clean constraints mutate fuzz
+.PHONY: setup train test test-fast test-scale test-chaos test-cpu-kinds test-cuda gpu-check lint docs clean constraints \
+	mutate fuzz bench-sweep
 
 setup: $(STAMP)
 
@@ -104,6 +105,11 @@ mutate: setup
 # or reader of users' files; a failure it finds goes into tests/fuzz/corpus/<target>/ as a named case.
 fuzz: setup
 	DDP_FUZZ=long $(BIN)/python -m pytest -q -n auto tests/fuzz
+
+# BENCHMARKS.md, "Sweeps" (not part of `make test`: ~10 minutes on 2 cores): a 12-trial sweep of the demo
+# with pruning, then its best config and the shipped demo config trained once each (runs/bench-sweep/).
+bench-sweep: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH benchmarks/sweep_demo.sh runs/bench-sweep
 
 lint: setup
 	$(BIN)/ruff check .

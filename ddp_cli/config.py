@@ -530,10 +530,32 @@ class WandbConfig(Section):
     tags: list[str] = Field([], description="W&B tags.")
 
 
+class MlflowConfig(Section):
+    tracking_uri: str = Field(
+        "mlruns", description="Where runs are tracked: a folder (a local store, relative to the working "
+        "directory) or a tracking server's URL (http://host:5000).")
+    experiment: str = Field("ddp", min_length=1, description="Experiment name (created if missing).")
+    run_name: str | None = Field(None, description="Run name (default: the run dir's name).")
+    log_model: bool = Field(True, description="At the end, the exported model (state_dict and its card) and "
+                            "the run's report picture as artefacts.")
+    registered_model: str | None = Field(
+        None, min_length=1, description="Also register the exported model under this name in the model "
+        "registry (needs log_model).")
+
+
 class LoggingConfig(Section):
     every_steps: int = Field(50, ge=1, description="Log a training line (and metrics record) every N steps.")
     tensorboard: bool = Field(False, description="Also write TensorBoard event files to <run>/tensorboard.")
     wandb: WandbConfig | None = Field(None, description="[logging.wandb]: also log to Weights & Biases.")
+    mlflow: MlflowConfig | None = Field(None, description="[logging.mlflow]: also log to MLflow (rank 0; a "
+                                        "tracking server that fails is retried, never stops training).")
+
+    @model_validator(mode="after")
+    def _registry_needs_the_model(self) -> LoggingConfig:
+        if self.mlflow and self.mlflow.registered_model and not self.mlflow.log_model:
+            raise ValueError("logging.mlflow.registered_model: registers the logged model; set "
+                             "logging.mlflow.log_model = true or remove registered_model")
+        return self
 
 
 class RunConfig(Section):
@@ -706,6 +728,23 @@ def with_model_source(cfg: RunConfig, folder: Path, given: set[str] = frozenset(
     settings = data_settings(data_config(weights), given, cfg.data.val_image_size or cfg.data.image_size)
     source = {"revision": weights.revision, "from_weights": sorted(settings)}
     return cfg.resolved({**settings, "model.name": with_tag(cfg.model.name), "model.source": source})
+
+
+def unknown_key(dotted: str) -> str | None:
+    """Why `dotted` (`optim.lr_per_256`) names no key of the run config, with a did-you-mean; None
+    for a key. A section (`optim`) is not a key."""
+    model: type[BaseModel] | None = RunConfig
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        known = list(model.model_fields) if model else []
+        if part not in known:
+            where = ".".join(parts[:depth]) or "the run config"
+            return f"{dotted}: unknown key: {where} has no {part!r}{did_you_mean(part, known)}"
+        model = _section_type(model.model_fields[part].annotation)
+    if model is not None:
+        keys = ", ".join(list(model.model_fields)[:6])
+        return f"{dotted}: a section, not a key; name one of its keys ({keys})"
+    return None
 
 
 def dotted_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:

@@ -110,7 +110,12 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "safetensors": ("safetensors", "safetensors"),
     "timm": ("timm", "timm"),
     "parquet": ("pyarrow", "pyarrow"),
+    "sweep": ("optuna", "optuna"),
+    "mlflow": ("mlflow", "mlflow"),
 }
+# The modules an extra brings beside its main one (`require_module` checks each where it is needed): the
+# PostgreSQL driver of ddp sweep's storages (psycopg 3, SQLAlchemy 2.1's default for postgresql://)
+ALSO_IN: dict[str, tuple[tuple[str, str], ...]] = {"sweep": (("psycopg", "psycopg"),)}
 
 
 def require_extra(extra: str, what: str, otherwise: str = "") -> None:
@@ -119,7 +124,11 @@ def require_extra(extra: str, what: str, otherwise: str = "") -> None:
     The core install leaves out what only one feature needs; without this check the feature
     would fail deep inside as an ImportError, reported as a bug.
     """
-    module, package = EXTRAS[extra]
+    require_module(*EXTRAS[extra], extra, what, otherwise)
+
+
+def require_module(module: str, package: str, extra: str, what: str, otherwise: str = "") -> None:
+    """`require_extra` for a module of an extra beside its main one (the sweep's PostgreSQL driver)."""
     if importlib.util.find_spec(module) is None:
         alternative = f" or {otherwise}" if otherwise else ""
         raise ConfigError(f"{what}: the {package} package is not installed; "

@@ -35,6 +35,7 @@ from ddp_cli.cli.clikit import (
 )
 from ddp_cli.cli.exits import emit, fail, report_error, stdout_may_close
 from ddp_cli.cli.render import err
+from ddp_cli.cli.sweep import sweep_app
 from ddp_cli.errors import DATA, SIGINT, USAGE, ConfigError, DataError
 from ddp_cli.fastexit import run_and_exit
 
@@ -48,6 +49,7 @@ app = group("Train image classifiers data-parallel on torch.distributed from one
 datasets_app = group("Inspect the data set registry (data.toml).")
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(bench_app, name="bench")
+app.add_typer(sweep_app, name="sweep")
 config_app = group("The run config: resolved, or its JSON schema.")
 app.add_typer(config_app, name="config")
 

@@ -45,6 +45,9 @@ def print_train_summary(result: dict[str, Any]) -> None:
     if result.get("io_retries"):
         Console().print(f"storage:    {result['io_retries']} transient error(s) retried (data.io_retries)",
                         highlight=False)
+    if result.get("pruned_at_epoch"):
+        Console().print(f"pruned:     after epoch {result['pruned_at_epoch']} by the sweep's pruner",
+                        highlight=False)
 
 
 def print_validation(result: dict[str, Any]) -> None:
@@ -227,3 +230,53 @@ def _fmt(value: Any) -> str:
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
+
+
+def _params(params: dict[str, Any]) -> str:
+    return "  ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                     for key, value in params.items())
+
+
+def print_sweep_trial(row: dict[str, Any]) -> None:
+    """One line on stderr as each trial of a sweep ends."""
+    value = "-" if row.get("value") is None else f"{row['value']:.4f}"
+    state = {"complete": "[green]complete[/]", "pruned": f"[yellow]pruned at epoch {row.get('epochs')}[/]",
+             "failed": "[red]failed[/]"}[row["state"]]
+    err.print(f"trial {row['trial']}: {state}  value {value}  ({row['seconds']:.0f} s)  "
+              f"{escape(_params(row['params']))}" + (f"  {escape(row['error'])}" if row.get("error") else ""),
+              highlight=False, soft_wrap=True)
+
+
+def print_sweep(result: dict[str, Any]) -> None:
+    counts = result["trials"]
+    best = result["best"]
+    Console().print(
+        f"[bold green]done[/] study {escape(result['study'])}: {counts['complete']} complete, "
+        f"{counts['pruned']} pruned, {counts['failed']} failed\n"
+        + (f"best:   trial {best['trial']}, value {best['value']:.4f}  {escape(_params(best['params']))}\n"
+           f"config: {best['config']}\n" if best else "best:   none (no trial complete)\n")
+        + f"sweep:  {result['sweep_dir']}", highlight=False)
+
+
+def print_sweep_report(result: dict[str, Any]) -> None:
+    """The trials as a table (best first), then the best config and the plots written."""
+    keys = sorted({key for row in result["trials"] for key in row["params"]})
+    leaves = [key.rpartition(".")[2] for key in keys]
+    heads = leaves if len(set(leaves)) == len(leaves) else keys  # `lr_per_256`, where that is unique
+    table = Table("trial", "state", result["metric"], *heads, "epochs", "seconds",
+                  title=f"study {escape(result['study'])} ({result['direction']}, pruner {result['pruner']})",
+                  title_justify="left")
+    sign = -1 if result["direction"] == "maximize" else 1
+    for row in sorted(result["trials"],
+                      key=lambda r: (r["value"] is None, sign * (r["value"] or 0), r["trial"])):
+        value = "-" if row["value"] is None else f"{row['value']:.4f}"
+        cells = [f"{row['params'][k]:.4g}" if isinstance(row["params"].get(k), float)
+                 else str(row["params"].get(k, "-")) for k in keys]
+        table.add_row(str(row["trial"]), row["state"], value, *cells, str(row["epochs"] or "-"),
+                      "-" if row["seconds"] is None else f"{row['seconds']:.0f}")
+    Console().print(table)
+    best = result["best"]
+    lines = [f"best config: {best['config']} (trial {best['trial']})" if best else "best config: none yet"]
+    lines += [f"{name}: {path}" for name, path in result["plots"].items()]
+    lines += [f"{name}: not drawn ({escape(why)})" for name, why in result.get("plots_skipped", {}).items()]
+    Console().print("\n".join(lines), highlight=False)

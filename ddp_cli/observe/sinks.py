@@ -1,7 +1,7 @@
 """Where metrics go, behind one interface: `write(record)` and `close()`.
 
-Always `metrics.jsonl` and `metrics.csv` in the run dir; TensorBoard and
-Weights & Biases when `[logging]` asks; and every record is also a `logging`
+Always `metrics.jsonl` and `metrics.csv` in the run dir; TensorBoard,
+Weights & Biases and MLflow (mlflow_sink.py) when `[logging]` asks; and every record is also a `logging`
 record on the `ddp.metrics` logger, so a user's own handler keeps working.
 Only rank 0 builds sinks.
 """
@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from ddp_cli.config import LoggingConfig
 from ddp_cli.errors import DataError, require_extra
 from ddp_cli.io import writing
+from ddp_cli.observe.mlflow_sink import MlflowSink
 from ddp_cli.userfiles import read_text
 
 CSV_COLUMNS = ("time", "epoch", "step", "split", "loss", "top1", "top5", "lr", "images_per_second",
@@ -92,6 +93,8 @@ def check_sinks(cfg: LoggingConfig) -> None:
         require_extra("tensorboard", "logging.tensorboard", "set logging.tensorboard = false")
     if cfg.wandb:
         require_extra("wandb", "logging.wandb", "remove [logging.wandb]")
+    if cfg.mlflow:
+        require_extra("mlflow", "logging.mlflow", "remove [logging.mlflow]")
 
 
 class WandbSink:
@@ -137,6 +140,10 @@ class Sinks:
         for sink in self.sinks:
             sink.close()
 
+    def mlflow(self) -> MlflowSink | None:
+        """The MLflow sink, to hand it the run's artefacts at the end; None without one."""
+        return next((sink for sink in self.sinks if isinstance(sink, MlflowSink)), None)
+
 
 def build_sinks(cfg: LoggingConfig, run_dir: Path, config: dict[str, Any]) -> Sinks:
     sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), CsvSink(run_dir / "metrics.csv"),
@@ -145,6 +152,8 @@ def build_sinks(cfg: LoggingConfig, run_dir: Path, config: dict[str, Any]) -> Si
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     if cfg.wandb:
         sinks.append(WandbSink(run_dir, cfg.wandb, config))
+    if cfg.mlflow:
+        sinks.append(MlflowSink(cfg.mlflow, run_dir, config))
     return Sinks(sinks)
 
 

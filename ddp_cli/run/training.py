@@ -4,6 +4,7 @@ a check that the replicas hold the same weights before and after `Trainer.fit`."
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -19,15 +20,18 @@ from ddp_cli.data.pipeline.semi import build_semi_loaders
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
-from ddp_cli.errors import WriteError
+from ddp_cli.errors import DdpError, WriteError
+from ddp_cli.models.export import export_checkpoint
 from ddp_cli.models.zoo import build_model, freeze, load_weights
 from ddp_cli.observe.console import RunConsole
+from ddp_cli.observe.report import plot
 from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.bucket import RunBucket
 from ddp_cli.run.jobs import Job
 from ddp_cli.run.mirror import BucketMirror
+from ddp_cli.sweep.pruning import epoch_gate
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
 from ddp_cli.train.eval_outputs import evaluation_record, write_evaluation
 from ddp_cli.train.trainer import Trainer, count_steps
@@ -120,6 +124,7 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
             folder / "evaluation.json", evaluation_record(
                 totals, index.classes, index.descriptions, source=f"train epoch {epoch}", checkpoint=None,
                 weights="model", dataset=entry.name, split="val"))
+    trainer.stop_after_epoch = epoch_gate(ctx)
     startup.mark("ddp")
     return trainer
 
@@ -148,6 +153,8 @@ def train(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
         startup.mark("replica_check")
         result = trainer.fit()
         assert_identical_across_ranks(trainer.model.module, "at the end")
+        if ctx.is_main:
+            attach_artefacts(cfg, folder, trainer)
     finally:
         trainer.close()
     return {
@@ -156,3 +163,22 @@ def train(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         **result,
     }
+
+
+def attach_artefacts(cfg: RunConfig, folder: Path, trainer: Trainer) -> None:
+    """[logging.mlflow]'s artefacts, once the last checkpoint is on disk: the exported model (its
+    state_dict and card, in `model/`) and the report picture (where matplotlib is installed). One that
+    cannot be made is warned of: the run itself succeeded."""
+    sink = trainer.metrics.mlflow() if trainer.metrics else None
+    if not (sink and cfg.logging.mlflow and cfg.logging.mlflow.log_model):
+        return
+    trainer.checkpointer.wait()
+    try:
+        export_checkpoint(folder / "checkpoints" / "last.pt", "state_dict", "model",
+                          folder / "model" / "model.pt")
+        sink.attach(folder / "model", "model")
+        sink.register()
+        if importlib.util.find_spec("matplotlib"):
+            sink.attach(plot(folder, folder / "report.png"))
+    except DdpError as e:
+        log.warning(f"warning: logging.mlflow: the run's artefacts were not all made: {e}")

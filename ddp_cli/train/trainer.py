@@ -102,6 +102,9 @@ class Trainer:
         self.retries_seen = retries_so_far()
         self.checkpointer = checkpointer or Checkpointer(None)
         self.on_validation: Callable[[EvalTotals, int], None] | None = None  # (totals, epoch): rank 0's files
+        # (val metrics, epoch) -> stop here? Asked on every rank at each epoch's end (a sweep's pruner)
+        self.stop_after_epoch: Callable[[dict[str, float], int], bool] | None = None
+        self.stopped_at: int | None = None  # the epoch a stop_after_epoch ended the run after
         self.checkpointer.track(self.state)
         self.checkpointer.register(
             model=self.model.module, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
@@ -145,8 +148,20 @@ class Trainer:
             if self.on_validation:
                 self.on_validation(evaluation, epoch + 1)
             self.checkpoint(top1=(ema_val if cfg.checkpoint.best_metric == "ema_top1" else val)["top1"])
+            if self.stopping_after(val, epoch + 1):
+                break
         self.console.summary(self.state.history)
         return self.summary(images_seen / max(train_seconds, 1e-9))
+
+    def stopping_after(self, val: dict[str, float], epoch: int) -> bool:
+        """Asks `stop_after_epoch` at every epoch's end (a sweep's trial reports each epoch), and ends
+        the run there when it says so before the last epoch, once the epoch's checkpoint is on disk."""
+        asked = self.stop_after_epoch and self.stop_after_epoch(val, epoch)
+        if not asked or epoch == self.cfg.train.epochs:
+            return False
+        self.stopped_at = epoch
+        self.checkpointer.wait()
+        return True
 
     def retries_since_last(self) -> int:
         """Storage retries of every rank (and its loader processes) since the last call."""
@@ -349,6 +364,7 @@ class Trainer:
             "startup_seconds": self.startup.seconds(),  # to the end of the first step, by phase
             "world_sizes": self.state.world_sizes,
             "last_epoch": last,
+            **({"pruned_at_epoch": self.stopped_at} if self.stopped_at else {}),
             **self.objective.summary(last),
         }
 

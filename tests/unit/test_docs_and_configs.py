@@ -7,12 +7,21 @@ from conftest import REPO
 
 from ddp_cli.config import load_config
 from ddp_cli.models import known_models
+from ddp_cli.sweep.space import load_space
+
+SPACES = sorted((REPO / "configs").rglob("*-space.toml"))  # a sweep's space beside its config
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").rglob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(set((REPO / "configs").rglob("*.toml")) - set(SPACES)),
+                         ids=lambda p: p.name)
 def test_shipped_config_is_valid(path):
     cfg = load_config(path)
     assert cfg.model.name in known_models()
+
+
+@pytest.mark.parametrize("path", SPACES, ids=lambda p: p.name)
+def test_shipped_space_is_valid_for_its_config(path):
+    assert load_space(path, load_config(path.with_name(path.name.replace("-space", "")))).params
 
 
 def test_readme_starts_with_the_two_commands():

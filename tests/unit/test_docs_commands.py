@@ -82,6 +82,9 @@ def resolve(args: str):
         if i == len(words) or words[i].startswith("-"):  # `ddp --version`, `ddp --help`
             break
         name = words[i]
+        if name not in command.commands and getattr(command, "default", None):  # `ddp sweep CONFIG`
+            command, path = command.commands[command.default], [*path, command.default]
+            break
         if name not in command.commands:
             raise LookupError(f"`{' '.join(path)}` has no command {name!r}")
         command, path = command.commands[name], [*path, name]
@@ -127,6 +130,8 @@ def test_the_check_finds_unknown_commands_and_flags_and_takes_torchrun_spellings
     assert problems("--version") == []
     assert problems("train cfg.toml --epochs 3") == ["`ddp train` takes no --epochs"]
     assert problems("datasets frobnicate x") == ["`ddp datasets` has no command 'frobnicate'"]
+    assert problems("sweep c.toml --space s.toml --trials 3") == []  # the group's default command
+    assert problems("sweep c.toml --epochs 3") == ["`ddp sweep run` takes no --epochs"]
     assert problems("validate --checkpoint x.pt [--weights model|ema] [--topk 1,5,10]") == []
     listing = "train CONFIG [--set KEY=VALUE]... [--nnodes N|MIN:MAX] [--resume auto|never|PATH]"
     assert problems(listing) == []

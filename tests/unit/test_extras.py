@@ -65,3 +65,16 @@ def test_the_demos_digits_ship_in_the_package_and_equal_scikit_learns(hide):
     hide("sklearn")
     images, target = load_digits()
     assert np.array_equal(images, reference.images) and np.array_equal(target, reference.target)
+
+
+def test_a_sweep_without_optuna_and_a_postgresql_storage_without_its_driver(hide):
+    from ddp_cli.sweep.storage import open_storage
+
+    hide("psycopg")
+    with pytest.raises(ConfigError, match=r"^--storage postgresql://ddp:\*\*\*@db/optuna: the psycopg "
+                                          r"package is not installed; pip install 'ddp-cli\[sweep\]'$"):
+        open_storage("postgresql://ddp:secret@db/optuna")
+    hide("optuna")
+    with pytest.raises(ConfigError, match=r"^ddp sweep: the optuna package is not installed; "
+                                          r"pip install 'ddp-cli\[sweep\]'$"):
+        open_storage("sqlite:///x.db")

@@ -32,9 +32,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.data.pack", "ddp_cli.distributed", "ddp_cli.models", "ddp_cli.observe"),
     ("ddp_cli.registry",),
     ("ddp_cli.index_build",),
+    # a sweep's space (read against the run config) and its study's storage
+    ("ddp_cli.sweep.space", "ddp_cli.sweep.storage"),
     ("ddp_cli.train",),
     ("ddp_cli.models.export",),  # a checkpoint's weights for other programs: it reads train's checkpoints
+    ("ddp_cli.sweep.pruning",),  # the trial's side of a sweep: the run's epoch ends reported to the study
     ("ddp_cli.run",),
+    # the sweep's loop (trials as `ddp train` processes) and its report
+    ("ddp_cli.sweep.trials",),
+    ("ddp_cli.sweep.report",),
+    ("ddp_cli.sweep",),
     # cli/, the front door: the kit (drawing results, exit codes, declaring commands to Typer) beside
     # the helpers of single commands (init, config, env)
     ("ddp_cli.cli.render", "ddp_cli.cli.starter", "ddp_cli.cli.config_view", "ddp_cli.cli.envinfo"),

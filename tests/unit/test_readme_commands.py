@@ -20,12 +20,13 @@ def section(title: str) -> str:
 
 
 def leaf_commands(group, path=()):
-    """(`datasets check`, its click command) for every command under `group`."""
+    """(`datasets check`, its click command) for every command under `group`; a group's default command
+    as the group's name (`sweep`, for `ddp sweep CONFIG` = `ddp sweep run CONFIG`)."""
     for name, command in group.commands.items():
         if hasattr(command, "commands"):
             yield from leaf_commands(command, (*path, name))
         else:
-            yield " ".join((*path, name)), command
+            yield " ".join(path if name == getattr(group, "default", None) else (*path, name)), command
 
 
 COMMANDS = dict(leaf_commands(typer.main.get_command(app)))
