@@ -23,10 +23,10 @@ from ddp_cli.data.fetch.retry import IoPolicy, with_retries
 from ddp_cli.data.fetch.storage import S3Location, s3_filesystem, storage_error
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.io import writing
-from ddp_cli.run.owner import LOCK
 
 T = TypeVar("T")
 SCHEME = "s3://"
+LOCK = "owner.lock"  # the run dir's owner (run/owner.py), in the bucket itself for an s3:// run dir
 # checkpoints go in their own order; the index is rebuilt at launch; the owner's lock is the bucket's own
 NOT_MIRRORED = ("checkpoints", "index", LOCK)
 PER_RANK = ("logs", "errors")  # what every node has of its own ranks (the rest is rank 0's)

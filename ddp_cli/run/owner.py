@@ -33,9 +33,9 @@ from typing import Protocol
 
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.io import write_text, writing
+from ddp_cli.run.bucket import LOCK, RunBucket
 
 log = logging.getLogger("ddp")
-LOCK = "owner.lock"
 HEARTBEAT_S = 10.0  # how often the owner renews its heartbeat
 STALE_S = 120.0  # another host's owner whose heartbeat is older than this is gone (12 missed renewals)
 LEASE_SETTLE_S = 3.0  # a store without conditional writes: how long a lease waits before reading back
@@ -201,7 +201,7 @@ class BucketLock:
     conditional requests; `conditional` is False for a store found to ignore them (then writes are
     plain, and `take` leases)."""
 
-    def __init__(self, bucket) -> None:  # a RunBucket (not imported here: s3fs loads for s3 run dirs only)
+    def __init__(self, bucket: RunBucket) -> None:
         self.bucket = bucket
         self.where = bucket.url_of(LOCK)
         self.conditional = True
@@ -363,8 +363,6 @@ def owning(run_dir: Path | str, flag: str = "--run-dir") -> Iterator[Ownership]:
 
 def take_run_dir(run_dir: Path | str, flag: str) -> Ownership:
     if isinstance(run_dir, str) and run_dir.startswith("s3://"):
-        from ddp_cli.run.bucket import RunBucket
-
         store = BucketLock(RunBucket(run_dir))
         if not store.honours_conditional_writes():
             log.warning("warning: the object store of %s ignores conditional writes (If-None-Match): this "
