@@ -14,7 +14,8 @@ from synthetic import make_imagenet_loc, write_registry
 from ddp_cli.data.pipeline.autotune import choose_prefetch, choose_workers, cores_per_rank
 from ddp_cli.train.precision import resolve_precision
 
-CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+# the run configs, not a sweep's space beside one (*-space.toml)
+CONFIGS = sorted(p for p in (REPO / "configs").glob("*.toml") if not p.name.endswith("-space.toml"))
 NAMED = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
          "efficientnet_v2_s", "inception_v3", "squeezenet1_0", "vgg11", "vgg11_bn", "vgg13", "vgg13_bn",
          "vgg16", "vgg16_bn", "vgg19", "vgg19_bn", "convnext_tiny", "vit_b_16"]

@@ -16,7 +16,8 @@ from ddp_cli.config import RunConfig, load_config
 from ddp_cli.train.precision import resolve_precision
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
-CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+# the run configs, not a sweep's space beside one (*-space.toml)
+CONFIGS = sorted(p for p in (REPO / "configs").glob("*.toml") if not p.name.endswith("-space.toml"))
 
 
 def invoke(*args: str):
