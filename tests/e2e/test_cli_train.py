@@ -36,8 +36,9 @@ def test_train_json_and_run_directory(trained):
     assert 0 <= out["final"]["top1"] <= out["final"]["top5"] <= 1
     assert out["images_per_second"] > 0
     resolved = config_from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
-    expected = load_config(REPO / "configs/demo.toml", ["train.epochs=2", "train.max_steps_per_epoch=6",
-                                                        "data.workers=0"])
+    overrides = ["train.epochs=2", "train.max_steps_per_epoch=6", "data.workers=0",
+                 'data.decode="cpu"']  # "auto" as preflight resolved it on CPU workers
+    expected = load_config(REPO / "configs/demo.toml", overrides)
     assert resolved == expected
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if r["split"] == "val"]
