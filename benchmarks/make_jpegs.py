@@ -12,6 +12,7 @@ average is about 110 KB) and decode at photo-like cost. Deterministic (seeded).
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -41,35 +42,46 @@ def make_dataset(root: Path, classes: int, per_class: int, val: int, seed: int =
                  size: tuple[int, int] | None = None, copies: int = 1) -> Path:
     """Write the images (each `size` = (width, height), else drawn; each train image under `copies` names,
     hard links of one file: a large set made fast, each copy costing what a distinct file costs to read
-    and decode), the LOC metadata and `root/data.toml` (data set name: `jpegs`)."""
+    and decode), the LOC metadata and `root/data.toml` (data set name: `jpegs`). Each image is drawn from
+    its own seed (`seed`, its number), so they are rendered on every core and the set is the same."""
     rng = np.random.default_rng(seed)
     synsets = [f"n{2000000 + c:08d}" for c in range(classes)]
     (root / "ILSVRC/ImageSets/CLS-LOC").mkdir(parents=True, exist_ok=True)
     (root / "LOC_synset_mapping.txt").write_text("".join(f"{s} synthetic class {i}\n"
                                                          for i, s in enumerate(synsets)))
+    jobs: list[tuple[Path, int, int, tuple[int, int]]] = []
 
-    def save(path: Path) -> None:
+    def image(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         width, height = size or rng.integers(300, 501, size=2)
-        photo_like(rng, int(width), int(height)).save(path, "JPEG", quality=90)
+        jobs.append((path, int(width), int(height), (seed, len(jobs))))
 
-    listing = []
+    listing, links = [], []
     for synset in synsets:
         for i in range(per_class):
             first = root / f"ILSVRC/Data/CLS-LOC/train/{synset}/{synset}_{i}.JPEG"
-            save(first)
+            image(first)
             for copy in range(copies):
                 image_id = f"{synset}_{i}" + (f"_{copy}" if copy else "")
                 if copy:
-                    first.with_name(f"{image_id}.JPEG").hardlink_to(first)
+                    links.append((first.with_name(f"{image_id}.JPEG"), first))
                 listing.append(f"{synset}/{image_id} {len(listing) + 1}")
     rows = ["ImageId,PredictionString"]
     for i in range(val):
         image_id = f"ILSVRC2012_val_{i + 1:08d}"
-        save(root / f"ILSVRC/Data/CLS-LOC/val/{image_id}.JPEG")
+        image(root / f"ILSVRC/Data/CLS-LOC/val/{image_id}.JPEG")
         rows.append(f"{image_id},{synsets[i % classes]} 0 0 10 10")
+    with ProcessPoolExecutor() as pool:
+        list(pool.map(save, jobs, chunksize=8))
+    for link, first in links:
+        link.hardlink_to(first)
     return write_loc_lists(root, listing, rows, "jpegs",
                            "ImageNet-sized synthetic JPEGs (benchmarks/make_jpegs.py)")
+
+
+def save(job: tuple[Path, int, int, tuple[int, int]]) -> None:
+    path, width, height, seed = job
+    photo_like(np.random.default_rng(seed), width, height).save(path, "JPEG", quality=90)
 
 
 def write_loc_lists(root: Path, listing: list[str], val_rows: list[str], name: str, description: str) -> Path:

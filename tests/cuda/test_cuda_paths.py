@@ -137,3 +137,40 @@ def test_gpu_decode_renders_a_batch_on_the_gpu_without_a_sync_close_to_the_same_
     assert x.is_cuda and x.is_contiguous(memory_format=torch.channels_last)
     diff = (on_gpu.cpu().int() - batch.images.to("cpu").int()).abs().float()
     assert diff.mean() <= 3, diff.mean()
+
+
+def test_gpu_decode_never_writes_memory_that_work_queued_before_it_still_reads():
+    """nvJPEG's hardware engine writes its output at once, not in stream order (pytorch/vision#9606): fed
+    so, a ResNet-50 reached a NaN loss by step 4 on an H100. Each round fills tensors the size of a decoded
+    image, queues a long kernel and then a sum of each on the current stream, frees them while the sums
+    are queued (their blocks go back to that stream's pool) and decodes; every sum must come out whole.
+    The count for torchvision's decode called bare, the same way, is in the message (corrupt where the
+    GPU has the engine and torchvision does not guard it)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from ddp_cli.data.pipeline.device_decode import decode_jpegs
+
+    buffer = io.BytesIO()  # a baseline 4:2:0 JPEG, what the hardware engine decodes
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (384, 512, 3), dtype=np.uint8)).save(
+        buffer, "JPEG", quality=90)
+    files = [torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)] * 8
+    cuda = torch.device("cuda")
+
+    def corrupted_rounds(decode) -> int:
+        bad = 0
+        for _ in range(30):
+            tensors = [torch.full((3, 384, 512), 1, dtype=torch.uint8, device=cuda) for _ in files]
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)  # tens of ms of GPU time queued before the sums
+            sums = torch.stack([t.sum(dtype=torch.int64) for t in tensors])
+            del tensors
+            decode()
+            bad += int((sums != 3 * 384 * 512).any())
+        return bad
+
+    bare = corrupted_rounds(lambda: decode_jpeg(files, mode=ImageReadMode.RGB, device=cuda))
+    assert corrupted_rounds(lambda: decode_jpegs(files, cuda)) == 0, f"(torchvision bare: {bare} of 30)"

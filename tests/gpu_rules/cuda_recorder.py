@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ class CudaRecorder:
     def __init__(self) -> None:
         self.current, self.bound, self.calls = 0, False, []
         self.rng = {d: torch.full((16,), d, dtype=torch.uint8) for d in range(GPUS)}  # real CPU tensors
+        self.streams = [FakeStream(self, "default")]  # the current stream last
 
     def index(self, device: Any) -> int:
         """The device index `device` names (an int, "cuda:3", a torch.device), the current one if none."""
@@ -58,6 +61,30 @@ class CudaRecorder:
         raise GpuRuleError("torch.cuda.get/set_rng_state_all: a rank touches every visible GPU's generator "
                            f"(a CUDA context on each of the {GPUS}, and fails where a node has fewer)")
 
+    def current_stream(self, device: Any = None) -> FakeStream:
+        self.own_device("current_stream", device)
+        return self.streams[-1]
+
+    def new_stream(self, device: Any = None, priority: int = 0) -> FakeStream:
+        self.own_device("Stream", device)
+        return FakeStream(self, f"stream {len(self.calls)}")
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[None]:
+        self.streams.append(stream)
+        self.calls.append(("stream", stream.name))
+        try:
+            yield
+        finally:
+            self.streams.pop()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tensor.record_stream: a tensor on this rank's GPU, a stream of it."""
+        if tensor.device != DEVICE or not isinstance(stream, FakeStream):
+            raise GpuRuleError(f"record_stream of a tensor on {tensor.device} with {stream!r}: a CUDA tensor "
+                               f"of this rank's GPU ({DEVICE}) and a stream")
+        self.calls.append(("record_stream", stream.name))
+
     def patches(self) -> dict[str, Any]:
         return {
             "is_available": lambda: True, "device_count": lambda: GPUS, "is_initialized": lambda: self.bound,
@@ -69,4 +96,18 @@ class CudaRecorder:
             "synchronize": lambda device=None: self.own_device("synchronize", device),
             "is_bf16_supported": lambda including_emulation=True: True,
             "is_current_stream_capturing": lambda: False,
+            "current_stream": self.current_stream, "Stream": self.new_stream, "stream": self.stream,
         }
+
+
+class FakeStream:
+    """A CUDA stream of the rank's GPU: its name, and its waits recorded in the recorder's calls."""
+
+    def __init__(self, recorder: CudaRecorder, name: str) -> None:
+        self.recorder, self.name = recorder, name
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.recorder.calls.append(("wait_stream", self.name, other.name))
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name!r})"

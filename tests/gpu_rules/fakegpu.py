@@ -158,6 +158,7 @@ class FakeGpuWorld:
         patch(torch.Tensor, "pin_memory", lambda t, device=None: self.pin(t))
         patch(torch.Tensor, "is_pinned", lambda t, device=None: getattr(t, "pinned_by_fake_world", False))
         patch(torch.Tensor, "backward", fake_backward)
+        patch(torch.Tensor, "record_stream", lambda t, stream: self.cuda.record_stream(t, stream))
         patch(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)  # restored on exit
         patch("ddp_cli.distributed.reduce.DistributedDataParallel", BucketDDP)
         patch(torch, "load", host_side(torch.load))

@@ -5,6 +5,7 @@ run) is played by empty images of each file's size on the device: what it return
 
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -33,8 +34,12 @@ def jpeg(seed: int) -> bytes:
 
 
 def nvjpeg_on_fake_tensors(monkeypatch, decoded: list[str]) -> None:
+    """nvJPEG as empty images; `decoded` gets the device and current stream of each call."""
+    fresh = functools.cache(device_decode.decoder_stream.__wrapped__)  # a stream of this fake world's
+    monkeypatch.setattr(device_decode, "decoder_stream", fresh)
+
     def decode_jpeg(files, mode, device):
-        decoded.append(str(device))
+        decoded.append((str(device), torch.cuda.current_stream(device).name))
         sizes = [open_image(f.numpy().tobytes()).size for f in files]
         return [torch.empty((3, h, w), dtype=torch.uint8, device=device) for w, h in sizes]
     monkeypatch.setattr(device_decode, "decode_jpeg", decode_jpeg)
@@ -67,7 +72,12 @@ def test_a_deferred_batch_is_decoded_augmented_and_normalised_on_the_ranks_gpu(g
     batch = loader_batch(12)  # every image erased, a policy op on most
     assert any(item.plan.steps[0] for item in batch.images.items)
     x = to_model_input(batch.images, device, channels_last=True)
-    assert decoded == [str(DEVICE)]  # one batched call, on this rank's GPU
+    (called,) = decoded  # one batched call, on this rank's GPU, with the decoder's stream current
+    assert called[0] == str(DEVICE) and called[1] != "default"
+    # the caller's stream waits for the decoder's; each output is released to the decoder's pool only once
+    # the caller's work with it has run (nvJPEG's engine writes its output at once: device_decode.py)
+    assert ("wait_stream", "default", called[1]) in gpu.cuda.calls
+    assert [c for c in gpu.cuda.calls if c[0] == "record_stream"] == [("record_stream", "default")] * 11
     assert x.device == DEVICE and x.shape == (12, 3, SIZE, SIZE) and x.dtype == torch.float32
     assert x.is_contiguous(memory_format=torch.channels_last)
     assert not gpu.reads

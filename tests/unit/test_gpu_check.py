@@ -150,11 +150,39 @@ def test_the_train_stage_wants_a_checkpoint_of_the_every_n_steps_saves(tmp_path)
         gc.check_train(Canned(tmp_path / "2", {key: trained([8, 16])}, results))
 
 
+def test_the_bf16_stage_is_skipped_where_the_train_stage_ran_in_bf16_or_the_gpu_has_none(tmp_path):
+    bf16 = next(s for s in gc.STAGES if s.name == "bf16")
+    answer = {"epochs": 1, "precision": "bf16", "images_per_second": 9.0,
+              "final": {"images": gc.VAL, "loss": 2.0}}
+    hopper, volta = {"gpus": [{"capability": "9.0"}]}, {"gpus": [{"capability": "7.0"}]}
+    for results, why in [({"driver": volta}, "no bf16"), ({"driver": hopper, "train": {"precision": "bf16"}},
+                                                           "train stage ran in bf16")]:
+        with pytest.raises(gc.Skipped, match=why):
+            bf16.check(Canned(tmp_path, {}, {"data": {"registry": "r"}, **results}))
+    ran = {"driver": hopper, "train": {"precision": "fp32"}, "data": {"registry": "r"}}
+    line, _ = bf16.check(Canned(tmp_path, {"train configs/resnet50.toml": answer}, ran))
+    assert line.startswith("bf16")
+
+
 def test_the_driver_stage_names_a_gpu_torch_cannot_use(tmp_path):
     env = {"gpu_problem": "the NVIDIA driver shows 8 GPUs (H100) but torch cannot use them: ...",
            "cuda_available": False, "gpus": [], "backends": {"nccl": True}, "torch": "2.14.1"}
     with pytest.raises(gc.Failed, match="driver shows 8 GPUs"):
         gc.check_driver(Canned(tmp_path, {"env": env}))
+
+
+def test_stages_picks_some_and_total_s_caps_the_whole_check(tmp_path, capsys):
+    stages = [stage("a"), stage("b", needs=("a",)), stage("c")]
+    assert gc.main(["--out", str(tmp_path / "1"), "--stages", "b,c"], stages=stages) == 1
+    doc = json.loads((tmp_path / "1/report.json").read_text())
+    got = {s["stage"]: (s["status"], s["detail"]) for s in doc["stages"]}
+    assert got == {"b": ("not run", "needs a"), "c": ("ok", "c fine")}
+    assert gc.main(["--out", str(tmp_path / "2"), "--total-s", "0"], stages=stages) == 1
+    doc = json.loads((tmp_path / "2/report.json").read_text())
+    assert doc["total_budget_s"] == 0 and {s["status"] for s in doc["stages"]} == {"not run"}
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--out", str(tmp_path / "3"), "--stages", "a,nope"], stages=stages)
+    assert e.value.code == 2 and "no stage nope" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(gc.gpu_here(), reason="a GPU here: make gpu-check would run for real")
@@ -196,6 +224,10 @@ def test_the_steady_rate_leaves_out_the_first_logging_window():
     assert gc.steady_rate(earlier + records, 256) == (12 * 256 / 1.0, 10.0, 11.0)  # the last run's only
     with pytest.raises(gc.Failed, match="1 logging windows"):
         gc.steady_rate(records[:2], 256)
+    # 8 batches decoded ahead of the first step (4 workers x 2): timed from the record at step 8
+    assert gc.steady_rate(records, 256, ahead=8) == (8 * 256 / 0.5, 10.5, 11.0)
+    with pytest.raises(gc.Failed, match="1 logging windows in metrics.jsonl from step 9"):
+        gc.steady_rate(records, 256, ahead=9)
 
 
 class Watched:
@@ -236,7 +268,8 @@ class InputContext(Canned):
         return gc.subprocess.CompletedProcess(argv, 0, "6400 JPEGs, mean 108 KB", "")
 
     def train(self, args):
-        """Logging windows at steps 4, 8, 12, 16, one second apart after the first: the run's rate."""
+        """Logging windows at steps 4 to 24: the first two at once (the loader's batches ahead), then at the
+        run's rate."""
         sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
         name = ("gpu_decode_compiled" if "train.compile=true" in sets else
                 "gpu_decode" if 'data.decode="gpu"' in sets else "cpu_decode")
@@ -244,9 +277,12 @@ class InputContext(Canned):
         run_dir = Path(args[args.index("--run-dir") + 1])
         run_dir.mkdir(parents=True)
         seconds = 4 * gc.INPUT_BATCH / self.rates[name]
-        records = [{"split": "train", "step": 4 * k, "time": 100 + k * seconds} for k in range(1, 5)]
+        # 8 batches prefetched (4 workers x 2): served at once, then one window each `seconds`
+        records = [{"split": "train", "step": 4 * k, "time": 100 + max(0, k - 2) * seconds}
+                   for k in range(1, 7)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         return {"epochs": 1, "images_per_second": 0.8 * self.rates[name],
+                "data_workers": {"workers": 4, "prefetch_factor": 2},
                 "final": {"images": gc.INPUT_VAL, "loss": 6.9, "top1": 0.1}}
 
 

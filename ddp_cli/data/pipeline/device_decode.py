@@ -22,7 +22,9 @@ torchvision's own and stays: its nvJPEG decoder works on a stream of its own
 (baseline JPEGs on the GPU's hardware JPEG engines where it has them, A100 and
 later) and synchronises that stream before returning, so the host waits for the
 batch's decode, not for the training queued before it, which the GPU runs
-meanwhile: the step keeps pace as long as the decode and the step's launches
+meanwhile (its output is taken from a stream of ddp's own: nvJPEG's engine
+would otherwise write memory that training still reads; `decode_jpegs`): the
+step keeps pace as long as the decode and the step's launches
 take less host time than the step takes the GPU. The per-image work is launched
 image by image (each crop differs in size and place): some ten kernels an image,
 twice that with a policy op, which `make gpu-check`'s input stage weighs.
@@ -36,6 +38,7 @@ this rare: they catch what PIL calls truncated or unreadable).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -140,7 +143,35 @@ def decode_choice(cfg: RunConfig, device: str) -> str:
 
 def decode_jpegs(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
     """RGB CHW uint8 images on `device`, decoded there in one batched call; where the batch is refused,
-    each image alone, None for those refused alone."""
+    each image alone, None for those refused alone.
+
+    On a GPU the decoder's output comes from memory no queued work can still read. torchvision takes it
+    from the current stream's pool and nvJPEG writes it at once: its hardware engine (baseline JPEGs on
+    A100 and later) does not wait for the work queued before it (pytorch/vision#9606). A block freed on
+    the caller's stream by the training step still queued there would be overwritten under that step:
+    a ResNet-50 fed so on an H100 reached a NaN loss by step 4 (`make gpu-check`'s input stage). So the
+    decode runs with a stream of its own current, whose pool holds only decoder outputs, each returned
+    to it (`record_stream`) only once the caller's work using it has run; the caller's stream waits for
+    the decode's on the device, and the host never waits for the training."""
+    if device.type != "cuda":
+        return _decoded(files, device)
+    caller, own = torch.cuda.current_stream(device), decoder_stream(device)
+    with torch.cuda.stream(own):
+        decoded = _decoded(files, device)
+    caller.wait_stream(own)
+    for image in decoded:
+        if image is not None:
+            image.record_stream(caller)
+    return decoded
+
+
+@functools.cache
+def decoder_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream `decode_jpegs` allocates the decoder's output on, one per GPU."""
+    return torch.cuda.Stream(device)
+
+
+def _decoded(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
     try:
         return list(decode_jpeg(files, mode=ImageReadMode.RGB, device=device))
     except RuntimeError:
