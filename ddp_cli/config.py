@@ -52,8 +52,10 @@ VAL_CROP_SHARE = 0.875  # val: the centre crop's share of the resized side (224 
 PROGRESSIVE_FROM = 64  # the smallest image_size progressive resizing is on for by default (docs/recipes.md)
 PROGRESSIVE_SCALE = 0.71  # the default first crop, of image_size (FFCV's 160 of 224, the issue's 80 of 112)
 PROGRESSIVE_RAMP = (0.4, 0.85)  # the default ramp, as fractions of the epochs (Composer's delay; FFCV's end)
-# keys ddp derives from others when a config leaves them unset (the val crop, the epochs, the model)
-DERIVED = ("data.val_resize", "data.progressive", "data.min_image_size", "data.ramp_epochs")
+EMA_HORIZON = 100  # train.ema_decay "auto": averages over an epoch of steps, at least this many (recipes.md)
+# keys ddp derives from others when a config leaves them unset (the val crop, the epochs, the model, the EMA)
+DERIVED = ("data.val_resize", "data.progressive", "data.min_image_size", "data.ramp_epochs",
+           "checkpoint.best_metric")
 
 
 class DataConfig(Section):
@@ -443,14 +445,21 @@ class TrainConfig(Section):
     grad_accum: int = Field(1, ge=1, description="Micro-steps per optimisation step.")
     max_steps_per_epoch: int = Field(0, ge=0, description="Cap on steps per epoch (0 = whole epoch).")
     compile: bool = Field(False, description="torch.compile the training forward/backward (slow start).")
-    ema_decay: float = Field(
-        0.0, ge=0, lt=1, description="EMA of the weights, updated every ema_every_steps steps (0 = off; "
-        "e.g. 0.9998); validated each epoch as final_ema.",
+    ema_decay: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = Field(
+        "auto", description="EMA of the weights, updated every ema_every_steps steps, validated each "
+        "epoch as final_ema (0 = off; e.g. 0.9998). auto = 1 - 1/max(100, steps per epoch): an average "
+        "over about an epoch, written out in the run dir's config.toml.",
     )
     ema_every_steps: int = Field(
         1, ge=1, description="Update the EMA every N steps, with decay ema_decay ** N (the same "
         "averaging horizon in steps, 1/N of the cost; torchvision's recipes use 32).",
     )
+
+    def ema_decay_at(self, steps_per_epoch: int) -> float:
+        """ema_decay made concrete for a run of `steps_per_epoch` steps an epoch (0 = no EMA)."""
+        if self.ema_decay == "auto":
+            return 1 - 1 / max(EMA_HORIZON, steps_per_epoch)
+        return self.ema_decay
 
 
 class CheckpointConfig(Section):
@@ -466,7 +475,8 @@ class CheckpointConfig(Section):
     )
     best_metric: Literal["top1", "ema_top1"] = Field(
         "top1", description="What best.pt tracks: the val top-1 of the trained weights, or of their EMA "
-        "(ema_top1 needs train.ema_decay > 0).",
+        "(ema_top1 needs train.ema_decay > 0). Unset = ema_top1 where the run has an EMA, else top1; "
+        "validate, predict and export use the same weights unless --weights says otherwise.",
     )
     on_world_size_change: Literal["rescale", "refuse"] = Field(
         "rescale", description="Resuming at another world size: \"rescale\" keeps the per-worker batch, "
@@ -592,6 +602,19 @@ class RunConfig(Section):
         if start is None or not isinstance(ramp, list) or not ramp or ramp[-1] == 0:  # a ramp ending at 0
             return {**raw, "data": {**data, "progressive": bool(data.get("progressive", False))}}
         return {**raw, "data": {**data, "progressive": True, "min_image_size": start, "ramp_epochs": ramp}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _best_of_the_ema_by_default(cls, raw: Any) -> Any:
+        """checkpoint.best_metric, unset, made concrete: the EMA's top-1 where the run has an EMA."""
+        if not isinstance(raw, dict):
+            return raw
+        checkpoint, train = given_keys(raw.get("checkpoint", {})), given_keys(raw.get("train", {}))
+        if checkpoint is None or train is None or "best_metric" in checkpoint:
+            return raw
+        ema = train.get("ema_decay", TrainConfig().ema_decay)
+        best = "ema_top1" if ema == "auto" or (isinstance(ema, int | float) and ema > 0) else "top1"
+        return {**raw, "checkpoint": {**checkpoint, "best_metric": best}}
 
     @model_validator(mode="after")
     def _static_graph_alone(self) -> RunConfig:

@@ -78,7 +78,8 @@ def run_ddp(config: Path, registry: Path, cfg: RunConfig, run_dir: Path, target:
                             str(registry), "--run-dir", str(run_dir), "--resume", "never",
                             "--set", f"train.epochs={cfg.train.epochs}", "--json", "--quiet"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    curve = [r for r in records if r.get("split") == "val"]
+    judged = "val_ema" if cfg.checkpoint.best_metric == "ema_top1" else "val"  # what the run gives the user
+    curve = [r for r in records if r.get("split") == judged]
     return {**outcome("ddp", started, curve, target),
             "precision": json.loads(out.strip().splitlines()[-1])["precision"]}
 

@@ -313,6 +313,7 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
     single_threaded()
     given, job.checkpoint = job.checkpoint, local_checkpoint(job.checkpoint)
     trained = load_trained(job.checkpoint, job.weights, load_config(config) if config else None)
+    job.weights = trained.weights  # "auto" made concrete: what the workers load and the files are named by
     warn_if_changed(trained.cfg.model, trained.path)
     cfg = inference_config(trained, batch_size, dataset, precision)
     workers, model = validation_workers(cfg, len(trained.classes), opts)
@@ -437,6 +438,7 @@ def predict(job: Job, inputs: list[str], dataset: str | None, split: str, regist
     single_threaded()
     job.checkpoint = local_checkpoint(job.checkpoint)
     trained = load_trained(job.checkpoint, job.weights)
+    job.weights = trained.weights
     warn_if_changed(trained.cfg.model, trained.path)
     cfg = inference_config(trained, batch_size, dataset, precision)
     workers, model = validation_workers(cfg, len(trained.classes), opts)

@@ -64,10 +64,11 @@ PrecisionOpt = Annotated[str | None, typer.Option(
     metavar="PRECISION", help="auto, fp32, bf16 or fp16 on this machine (default: the checkpoint's where "
     "this machine computes it natively, else auto).")]
 WeightsOpt = Annotated[str, typer.Option(
-    "--weights", metavar="model|ema",
-    help="The checkpoint's trained weights (model) or their moving average (ema).")]
+    "--weights", metavar="auto|model|ema",
+    help="The checkpoint's trained weights (model) or their moving average (ema); auto = those the run "
+    "judged its best by (checkpoint.best_metric: the EMA's where it had one).")]
 DatasetArg = Annotated[str, typer.Argument(metavar="NAME", help="A data set name in the registry.")]
-WEIGHTS = ("model", "ema")
+WEIGHTS = ("auto", "model", "ema")
 SplitOpt = Annotated[str, typer.Option(metavar="train|val|all", help="The split(s) to read.")]
 
 
@@ -157,7 +158,7 @@ def validate(
     registry: RegistryOpt = None,
     nproc_per_node: NprocOpt = 1,
     batch_size: BatchOpt = None,
-    weights: WeightsOpt = "model",
+    weights: WeightsOpt = "auto",
     topk: Annotated[str, typer.Option(
         metavar="K,K,...", help="Accuracies to report, e.g. 1,5,10 (top1 and top5 always).")] = "1,5",
     per_class: Annotated[bool, typer.Option(
@@ -202,7 +203,7 @@ def predict(
     split: Annotated[str, typer.Option(metavar="train|val", help="With --dataset: train or val.")] = "val",
     registry: RegistryOpt = None,
     topk: Annotated[int, typer.Option(min=1, metavar="K", help="Classes per image, best first.")] = 5,
-    weights: WeightsOpt = "model",
+    weights: WeightsOpt = "auto",
     batch_size: BatchOpt = None,
     nproc_per_node: NprocOpt = 1,
     precision: PrecisionOpt = None,
@@ -242,7 +243,7 @@ def export(
         show_default=False)],
     out: Annotated[Path, typer.Option(
         metavar="FILE", help="File to write; its model card goes beside it, FILE.card.json.")],
-    weights: WeightsOpt = "model",
+    weights: WeightsOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Write a checkpoint's weights for use without ddp, and a model card beside them (FILE.card.json).

@@ -80,7 +80,7 @@ def recipe(cfg: RunConfig) -> dict[str, Any]:
         "label_smoothing": cfg.optim.label_smoothing,
         "progressive_resizing": data.train_size(0) < data.image_size,
         "test_above_train_size": (data.val_image_size or data.image_size) > data.image_size,
-        "ema": cfg.train.ema_decay > 0,
+        "ema": cfg.train.ema_decay != 0,  # "auto" is on
     }
 
 

@@ -124,7 +124,9 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     if unlabelled is not None:
         check_unlabelled(len(unlabelled), workers.world_size, cfg)
     batches = len(labelled) // workers.world_size // cfg.data.batch_size  # as a rank's loader
-    return Preflight(cfg, entry, index, model, workers, loaders, resume, count_steps(batches, cfg.train),
+    steps = count_steps(batches, cfg.train)
+    cfg = cfg.resolved({"train.ema_decay": cfg.train.ema_decay_at(steps)})  # "auto", for config.toml
+    return Preflight(cfg, entry, index, model, workers, loaders, resume, steps,
                      cfg.global_batch(workers.world_size), cfg.lr(workers.world_size),
                      (len(labelled), None if unlabelled is None else len(unlabelled)))
 

@@ -38,7 +38,7 @@ from ddp_cli.train.checkpoint_model import Trained, load_trained, warn_if_change
 log = logging.getLogger("ddp")
 
 FORMATS = ("state_dict", "safetensors", "torchscript", "onnx")
-WEIGHTS = ("model", "ema")
+WEIGHTS = ("auto", "model", "ema")
 CARD_SUFFIX = ".card.json"
 CARD_VERSION = 1
 ONNX_INPUT, ONNX_OUTPUT = "images", "logits"
@@ -58,7 +58,7 @@ def export_checkpoint(checkpoint: Path, fmt: str, weights: str, out: Path) -> di
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt}: unknown format; use {', '.join(FORMATS)}")
     if weights not in WEIGHTS:
-        raise ConfigError(f"--weights {weights}: use model or ema")
+        raise ConfigError(f"--weights {weights}: use auto, model or ema")
     out = writable(Path(out), Path(checkpoint))
     if fmt == "safetensors":
         require_extra("safetensors", "--format safetensors", "use --format state_dict")
@@ -70,7 +70,7 @@ def export_checkpoint(checkpoint: Path, fmt: str, weights: str, out: Path) -> di
     sha256, size = WRITERS[fmt](model, trained, out)
     card = model_card(trained, fmt, out, sha256, size)
     write_text(card_path(out), json.dumps(card, indent=2) + "\n")
-    return {"out": str(out), "format": fmt, "weights": weights, "sha256": sha256,
+    return {"out": str(out), "format": fmt, "weights": trained.weights, "sha256": sha256,
             "card": str(card_path(out)), "bytes": size, "model": trained.cfg.model.name}
 
 

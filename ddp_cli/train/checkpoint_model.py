@@ -51,16 +51,21 @@ class Trained:
         return model.eval()
 
 
-def load_trained(path: str | Path, weights: Weights = "model", cfg: RunConfig | None = None) -> Trained:
+def load_trained(path: str | Path, weights: Weights | Literal["auto"] = "auto",
+                 cfg: RunConfig | None = None) -> Trained:
     """Read `path` (safely and in the current format, `load_checkpoint`); `cfg` replaces the checkpoint's
-    own config."""
+    own config. `weights` "auto" are those the run judged its best by (checkpoint.best_metric): the EMA's
+    where it tracked ema_top1 and the file holds them, else the trained ones."""
     state = load_checkpoint(path)
     missing = next((key for key in ("config", "classes", "descriptions") if key not in state), None)
     if missing or not all(isinstance(name, str) for name in [*state["classes"], *state["descriptions"]]):
         raise DataError(f"{path}: holds {f'no {missing}' if missing else 'classes that are not names'}; give "
                         "a checkpoint from <run>/checkpoints/")
-    cfg = (cfg or config_from_dict(state["config"], str(path))).resolved(
-        {"model.weights": None}, str(path))  # the checkpoint's weights are used, not the run's start
+    own = config_from_dict(state["config"], str(path))
+    if weights == "auto":
+        has_ema = isinstance((state.get("ema") or {}).get("module"), dict)
+        weights = "ema" if own.checkpoint.best_metric == "ema_top1" and has_ema else "model"
+    cfg = (cfg or own).resolved({"model.weights": None}, str(path))  # the checkpoint's weights, not the start
     if weights == "ema":
         if not state.get("ema") or not isinstance(state["ema"].get("module"), dict):
             raise ConfigError(f"--weights ema: {path} holds no EMA weights (the run had "

@@ -86,7 +86,8 @@ class Trainer:
         self.global_batch = cfg.global_batch(ctx.world_size)
         model = place(model, cfg.model, ctx.device)
         train = cfg.train
-        self.ema = EmaModel(model, train.ema_decay, train.ema_every_steps) if train.ema_decay else None
+        decay = train.ema_decay_at(steps_per_epoch)  # "auto" as preflight resolves it (a Trainer built bare)
+        self.ema = EmaModel(model, decay, train.ema_every_steps) if decay else None
         self.model = replicate(model, cfg.distributed, ctx.device, steps_per_epoch * cfg.train.epochs)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.lr = cfg.lr(ctx.world_size)
@@ -135,20 +136,22 @@ class Trainer:
                    "skipped": len(bad), "io_retries": retries,
                    **({"ema_top1": ema_val["top1"]} if ema_val else {}), **metrics}
             self.state.history.append(row)
-            self.log({"split": "val", "epoch": epoch + 1, "step": self.state.step, **val,
-                      "lr": self.optimizer.param_groups[0]["lr"], "image_size": cfg.data.train_size(epoch),
-                      "images_per_second": row["images_per_second"], "skipped_images": len(bad),
-                      "io_retries": retries})
+            lr, size = self.optimizer.param_groups[0]["lr"], cfg.data.train_size(epoch)
+            epoch_keys = {"lr": lr, "image_size": size, "images_per_second": row["images_per_second"],
+                          "skipped_images": len(bad), "io_retries": retries}  # on each validation's record
+            self.log({"split": "val", "epoch": epoch + 1, "step": self.state.step, **val, **epoch_keys})
             if ema_val:
-                self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val})
+                self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val,
+                          **epoch_keys})
             if metrics:  # the objective's own, over the epoch
                 self.log({"split": self.objective.name, "epoch": epoch + 1, "step": self.state.step,
                           **metrics})
             self.console.epoch_done(row)
             if self.on_validation:
                 self.on_validation(evaluation, epoch + 1)
-            self.checkpoint(top1=(ema_val if cfg.checkpoint.best_metric == "ema_top1" else val)["top1"])
-            if self.stopping_after(val, epoch + 1):
+            judged = ema_val if cfg.checkpoint.best_metric == "ema_top1" else val  # the weights the run gives
+            self.checkpoint(top1=judged["top1"])
+            if self.stopping_after(judged, epoch + 1):
                 break
         self.console.summary(self.state.history)
         return self.summary(images_seen / max(train_seconds, 1e-9))

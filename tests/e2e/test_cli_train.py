@@ -37,7 +37,8 @@ def test_train_json_and_run_directory(trained):
     assert out["images_per_second"] > 0
     resolved = config_from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
     overrides = ["train.epochs=2", "train.max_steps_per_epoch=6", "data.workers=0",
-                 'data.decode="cpu"']  # "auto" as preflight resolved it on CPU workers
+                 'data.decode="cpu"',  # "auto" as preflight resolved it on CPU workers
+                 "train.ema_decay=0.99"]  # "auto" as resolved: 6 steps an epoch, so an average of 100
     expected = load_config(REPO / "configs/demo.toml", overrides)
     assert resolved == expected
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -78,9 +79,11 @@ def test_validate_matches_training_with_any_world_size(trained, workers):
     result = last_json(run_ddp("validate", "--checkpoint", str(run_dir / "checkpoints/last.pt"),
                                "--nproc-per-node", str(workers), "--json"))
     assert result["images"] == 359
-    assert result["top1"] == out["final"]["top1"]
-    assert result["top5"] == out["final"]["top5"]
-    assert result["loss"] == pytest.approx(out["final"]["loss"], rel=1e-4)
+    # --weights auto on a run with the default EMA: the weights best.pt is judged by, the EMA's
+    assert result["weights"] == "ema"
+    assert result["top1"] == out["final_ema"]["top1"]
+    assert result["top5"] == out["final_ema"]["top5"]
+    assert result["loss"] == pytest.approx(out["final_ema"]["loss"], rel=1e-4)
     assert {"checkpoint", "dataset", "split"} <= result.keys() and result["dataset"] == "demo"
 
 

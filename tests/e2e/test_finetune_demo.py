@@ -35,7 +35,7 @@ def test_fine_tuning_a_pretrained_file_beats_training_from_scratch(trained_demo,
                             [*RUN, f"model.weights={pretrained}", *FINE_TUNE])
         scratch, tuned = scratch.result(), tuned.result()
     assert tuned["final"]["top1"] >= scratch["final"]["top1"] + 0.1, (tuned["final"], scratch["final"])
-    start, epoch_1, end = (load_trained(path).state_dict for path in (
+    start, epoch_1, end = (load_trained(path, "model").state_dict for path in (  # the trained weights
         pretrained, tmp_path / "tuned/checkpoints/step-000000003.pt", tuned["checkpoint"]))
     frozen = [k for k in start if k.startswith(("stem.", "stages.0.")) and k.endswith(("weight", "bias"))]
     assert frozen and all(torch.equal(start[k], epoch_1[k]) for k in frozen)

@@ -55,7 +55,8 @@ def test_metrics_jsonl_and_csv_agree(run):
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("time,epoch,step,split,loss")
     assert [r["split"] for r in records].count("startup") == 1  # once, at the first step
-    assert len(rows) - 1 == len(records) == 1 + 2 * 2 + 2  # and two train records and one val per epoch
+    # and per epoch two train records, one val and one val_ema (the default EMA's)
+    assert len(rows) - 1 == len(records) == 1 + 2 * 2 + 2 + 2
 
 
 def test_tensorboard_event_files_hold_the_curves(run):

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 NET = "from blocks import conv_bn  # beside this file: found in every worker\n" + OWN_NET
 
 SETS = ["data.image_size=8", "data.val_resize=8", "data.workers=0", "train.epochs=1", "train.precision=fp32",
-        "train.ema_decay=0.9", "model.channels_last=false", "optim.head_lr_mult=2"]
+        "train.ema_decay=0.9", "checkpoint.best_metric=top1",  # so --weights auto = the trained weights
+        "model.channels_last=false", "optim.head_lr_mult=2"]
 
 
 @pytest.fixture(scope="module")

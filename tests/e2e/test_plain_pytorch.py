@@ -45,8 +45,10 @@ def build(card: dict) -> torch.nn.Module:
 
 
 def export(checkpoint: Path, fmt: str, out: Path) -> tuple[dict, str]:
-    """`ddp export ... --json`: the card it wrote, and its stderr."""
-    result = run_ddp("export", "--checkpoint", str(checkpoint), "--format", fmt, "--out", str(out), "--json")
+    """`ddp export ... --weights model --json` (the trained weights, the checkpoint's "model", which the
+    tests compare with): the card it wrote, and its stderr."""
+    result = run_ddp("export", "--checkpoint", str(checkpoint), "--format", fmt, "--weights", "model",
+                     "--out", str(out), "--json")
     return json.loads(Path(last_json(result)["card"]).read_text()), result.stderr
 
 

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 SETS = ["model.name=timm/test_resnet.r160_in1k", "model.weights=pretrained", "data.image_size=16",
         "data.val_resize=16", "data.workers=0", "train.epochs=1", "train.precision=fp32",
-        "optim.head_lr_mult=10", "data.classes=4", "distributed.nproc_per_node=1"]  # 575 images: 17 steps
+        "optim.head_lr_mult=10", "data.classes=4", "distributed.nproc_per_node=1",  # 575 images: 17 steps
+        "train.ema_decay=0"]  # the trained weights throughout (--weights auto: them, without an EMA)
 DEAD_PROXY = "http://127.0.0.1:9"
 
 

@@ -258,7 +258,7 @@ def test_progressive_sizes_are_every_train_crop_and_the_val_crop():
     ({"distributed": {"static_graph": True}, "train": {"grad_accum": 2}},
      "distributed.static_graph: DDP fails with it under no_sync, i.e. with train.grad_accum > 1 "
      "(pytorch/pytorch#143580); drop one of the two"),
-    ({"checkpoint": {"best_metric": "ema_top1"}},
+    ({"checkpoint": {"best_metric": "ema_top1"}, "train": {"ema_decay": 0}},
      'checkpoint.best_metric: "ema_top1" needs an EMA; set train.ema_decay (e.g. 0.9998) or use "top1"'),
     ({"data": {"image_size": 64, "min_image_size": 96}},
      "data: min_image_size 96 is above image_size 64; progressive resizing only grows the crop"),
@@ -310,3 +310,28 @@ def test_the_val_resize_follows_the_val_crop_as_the_usual_centre_crop(data, resi
     """Unset val_resize is the val crop / 0.875: a 112 px crop from 128, not from a fixed 256 (which left
     a small image's val crop a 44% centre patch of what training saw)."""
     assert config_from_dict({"data": data}).data.val_resize == resize
+
+
+@pytest.mark.parametrize(("decay", "steps", "at"), [
+    ("auto", 22, 0.99),  # the demo's 22 steps an epoch: at least 100 steps averaged
+    ("auto", 1250, 1 - 1 / 1250),  # ImageNet at 1,024 a step: an epoch
+    (0.9, 1250, 0.9), (0, 22, 0),  # given: kept (0 = no EMA)
+])
+def test_the_ema_decay_averages_over_an_epoch_of_at_least_100_steps_unless_given(decay, steps, at):
+    assert config_from_dict({"train": {"ema_decay": decay}}).train.ema_decay_at(steps) == pytest.approx(at)
+
+
+def test_best_pt_follows_the_ema_by_default_and_the_trained_weights_without_one():
+    """checkpoint.best_metric unset: the EMA's top-1 where the run has an EMA (by default), else top1;
+    given, kept; an old run dir's config.toml (both written out) keeps what it trained with."""
+    assert config_from_dict({}).checkpoint.best_metric == "ema_top1"
+    assert config_from_dict({"train": {"ema_decay": 0.999}}).checkpoint.best_metric == "ema_top1"
+    assert config_from_dict({"train": {"ema_decay": 0}}).checkpoint.best_metric == "top1"
+    given = {"train": {"ema_decay": 0.999}, "checkpoint": {"best_metric": "top1"}}
+    assert config_from_dict(given).checkpoint.best_metric == "top1"
+    old = config_from_dict({"train": {"ema_decay": 0.0}, "checkpoint": {"best_metric": "top1"}})
+    assert (old.train.ema_decay, old.checkpoint.best_metric) == (0.0, "top1")
+    # derived again when the EMA is turned off afterwards (--set, a sweep's trial), kept when it is resolved
+    assert config_from_dict({}).resolved({"train.ema_decay": 0}).checkpoint.best_metric == "top1"
+    assert config_from_dict({}).resolved({"train.ema_decay": 0.99}).checkpoint.best_metric == "ema_top1"
+    assert config_from_dict(given).resolved({"train.ema_decay": 0}).checkpoint.best_metric == "top1"

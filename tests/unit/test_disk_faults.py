@@ -325,7 +325,7 @@ def test_preflight_warns_when_the_run_dirs_disk_has_less_room_than_the_checkpoin
     from ddp_cli.cli import preflight
     from ddp_cli.config import RunConfig
 
-    run = SimpleNamespace(cfg=RunConfig().resolved({"checkpoint.keep_last": 3}),
+    run = SimpleNamespace(cfg=RunConfig().resolved({"checkpoint.keep_last": 3, "train.ema_decay": 0}),
                           model=nn.Linear(1000, 250, device="meta"))  # 1 MB of weights, 1 MB momentum
     for free, warned in ((7_900_000, True), (8_100_000, False)):  # 4 checkpoints of 2.0 MB
         monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path, n=free: SimpleNamespace(free=n))

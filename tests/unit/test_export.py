@@ -175,7 +175,8 @@ def test_without_json_a_summary_on_stderr_and_nothing_on_stdout(checkpoint, tmp_
     result = invoke("export", "--checkpoint", str(checkpoint), "--format", "state_dict", "--out",
                     str(tmp_path / "m.pt"))
     assert result.exit_code == 0 and result.stdout == ""
-    assert f"wrote {tmp_path / 'm.pt'} (state_dict, model weights" in result.stderr
+    # --weights auto: the EMA's, by which a run with the default EMA judged its best
+    assert f"wrote {tmp_path / 'm.pt'} (state_dict, ema weights" in result.stderr
     assert f"{tmp_path / 'm.pt.card.json'}" in result.stderr
 
 

@@ -76,13 +76,14 @@ def test_predict_answers_every_input_in_order_and_a_bad_one_with_its_error():
             assert probs == pytest.approx(expected.values[position].tolist())
 
 
-def checkpoint(path, ema: bool) -> None:
+def checkpoint(path, ema: bool, best_metric: str = "top1") -> None:
     """A checkpoint as ddp wrote one before descriptions were kept (no format version)."""
     torch.manual_seed(0)
     from ddp_cli.models import TinyResNet
 
     live, average = TinyResNet(3).state_dict(), TinyResNet(3).state_dict()
-    cfg = RunConfig.model_validate({"model": {"name": "resnet_tiny"}, "data": {"image_size": 32}})
+    cfg = RunConfig.model_validate({"model": {"name": "resnet_tiny"}, "data": {"image_size": 32},
+                                    "checkpoint": {"best_metric": best_metric}})
     torch.save({"format": 1, "model": live, "ema": {"module": average, "updates": 5} if ema else None,
                 "final": {"top1": 0.5}, "final_ema": {"top1": 0.6} if ema else None,
                 "config": cfg.model_dump(mode="json"), "classes": ["a", "b", "c"],
@@ -91,7 +92,7 @@ def checkpoint(path, ema: bool) -> None:
 
 def test_a_checkpoint_as_a_classifier_with_its_live_or_ema_weights(tmp_path):
     checkpoint(tmp_path / "c.pt", ema=True)
-    live, ema = load_trained(tmp_path / "c.pt"), load_trained(tmp_path / "c.pt", "ema")
+    live, ema = load_trained(tmp_path / "c.pt", "model"), load_trained(tmp_path / "c.pt", "ema")
     assert live.final == {"top1": 0.5} and ema.final == {"top1": 0.6}
     assert live.descriptions == ["a", "b", "c"]  # written before descriptions were kept: the synsets
     x = torch.randn(2, 3, 32, 32)
@@ -99,6 +100,17 @@ def test_a_checkpoint_as_a_classifier_with_its_live_or_ema_weights(tmp_path):
         assert not torch.equal(live.build()(x), ema.build()(x))
         torch.testing.assert_close(ema.build()(x), ema.build()(x))
     assert not live.build().training
+
+
+@pytest.mark.parametrize(("best_metric", "ema", "chosen"), [
+    ("ema_top1", True, "ema"),  # a run with the default EMA: best.pt judged by the EMA's top-1
+    ("top1", True, "model"),  # a run that judged by the trained weights (every run before EMA by default)
+    ("ema_top1", False, "model"),  # a file without the EMA's weights
+])
+def test_auto_weights_are_those_the_run_judged_its_best_by(tmp_path, best_metric, ema, chosen):
+    checkpoint(tmp_path / "c.pt", ema=ema, best_metric=best_metric)
+    trained = load_trained(tmp_path / "c.pt")
+    assert trained.weights == chosen and trained.final == {"top1": 0.6 if chosen == "ema" else 0.5}
 
 
 def test_ema_weights_of_a_run_without_ema_are_a_clear_error(tmp_path):

@@ -93,8 +93,9 @@ def test_the_dry_run_plan_says_which_elements_of_the_recipe_are_on():
 
     assert recipe(config_from_dict({})) == {
         "blurpool": False, "zero_init_residual": False, "label_smoothing": 0.1,
-        "progressive_resizing": True, "test_above_train_size": False, "ema": False}
+        "progressive_resizing": True, "test_above_train_size": False, "ema": True}
     assert not recipe(config_from_dict({"data": {"progressive": False}}))["progressive_resizing"]
+    assert not recipe(config_from_dict({"train": {"ema_decay": 0}}))["ema"]
     on = config_from_dict({
         "model": {"blurpool": True, "zero_init_residual": True}, "optim": {"label_smoothing": 0.1},
         "data": {"image_size": 112, "min_image_size": 80, "ramp_epochs": [4, 6], "val_image_size": 144},
