@@ -24,8 +24,9 @@ per-worker batch, world size and threads:
 
 Each loop also runs at the other's precision and memory format, so the rows
 show both the gain from the settings and that ddp is not slower at equal ones.
-A `ddp_ema` row is ddp's defaults with the weights' EMA on, updated every step
-(`ratio_ema_vs_defaults`, its images/s over the defaults'); `ema_ms` times the
+The `ddp` rows are ddp's defaults without the EMA (a default since issue 41):
+a `ddp_ema` row has the weights' EMA on, updated every step
+(`ratio_ema_vs_defaults`, its images/s over the `ddp` row's); `ema_ms` times the
 EMA update alone, and `ema_share_of_step` is its fraction of the breakdown's step.
 The variants alternate over `rounds` (fresh model each time) so background load
 hits all alike. With `device = "cuda"` the workers are NCCL ranks, one GPU
@@ -136,7 +137,7 @@ def step_config(spec: StepSpec, precision: str, channels_last: bool,
         "data": {"batch_size": spec.batch_size, "image_size": spec.image_size,
                  "workers": spec.loader_workers},
         "model": {"name": spec.model, "channels_last": channels_last},
-        "train": {"precision": precision, "epochs": 1},
+        "train": {"precision": precision, "epochs": 1, "ema_decay": 0.0},  # the EMA: the ddp_ema row's
         "logging": {"every_steps": 10**6},
     }
     for item in overrides:

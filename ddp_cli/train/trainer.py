@@ -38,7 +38,7 @@ from ddp_cli.observe.startup import StartupClock
 from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
 from ddp_cli.train.checkpoint_model import warn_if_changed
 from ddp_cli.train.ema import EmaModel
-from ddp_cli.train.inference import evaluate
+from ddp_cli.train.inference import evaluate_each
 from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.objectives import Micro, build_objective
 from ddp_cli.train.optim import build_optimizer
@@ -119,9 +119,9 @@ class Trainer:
             seconds = time.perf_counter() - started
             train_seconds += seconds
             images_seen += self.steps_per_epoch * self.global_batch
-            evaluation = self.validate(bad)
+            evaluation, of_ema = self.validate(bad)
             val = evaluation.metrics
-            ema_val = self.validate(module=self.ema.module).metrics if self.ema else None
+            ema_val = of_ema.metrics if of_ema else None
             bad = union_across_ranks(bad)  # distinct bad files met this epoch (train and val)
             retries = self.retries_since_last()
             self.state.io_retries += retries
@@ -302,13 +302,15 @@ class Trainer:
         dist.all_gather(everyone, self.running)
         self.state.running = [rank.tolist() for rank in everyone]
 
-    def validate(self, bad: set[str] | None = None, module: nn.Module | None = None) -> EvalTotals:
-        """Evaluate rank 0's replica (or its EMA): its BatchNorm statistics are the ones checkpointed."""
-        module = self.model.module if module is None else module
-        for buffer in module.buffers():
+    def validate(self, bad: set[str] | None = None) -> tuple[EvalTotals, EvalTotals | None]:
+        """Evaluate rank 0's replica and its EMA, in one pass over the val split: their BatchNorm
+        statistics are the ones checkpointed."""
+        modules = [self.model.module, *([self.ema.module] if self.ema else [])]
+        for buffer in (b for module in modules for b in module.buffers()):
             dist.broadcast(buffer, src=0)
-        return evaluate(module, self.loaders.val, self.ctx.device,
-                        self.precision, self.cfg.model.channels_last, bad, norm=normalising(self.cfg.data))
+        every = evaluate_each(modules, self.loaders.val, self.ctx.device, self.precision,
+                              self.cfg.model.channels_last, bad, norm=normalising(self.cfg.data))
+        return every[0], every[1] if self.ema else None
 
     def resume(self, path: str | Path) -> None:
         """Continue exactly where a checkpoint left off, mid-epoch included; at another world size,

@@ -3,6 +3,8 @@ as a classifier (live or EMA weights), and INPUT arguments expanded into one spl
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from ddp_cli.data.pipeline.loaders import collate
 from ddp_cli.data.sources.inputs import expand_inputs, input_root
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.train.checkpoint_model import load_trained
-from ddp_cli.train.inference import evaluate, predict
+from ddp_cli.train.inference import evaluate, evaluate_each, predict
 
 CPU = torch.device("cpu")
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
@@ -62,6 +64,22 @@ def test_flip_tta_averages_the_logits_of_the_image_and_its_mirror(tta):
     torch.testing.assert_close(probs, logits.softmax(1).gather(1, order))
     plain = evaluate(net, DataLoader(data, batch_size=4, collate_fn=collate), CPU, "fp32", False, tta=not tta)
     assert plain.metrics["loss"] != pytest.approx(totals.metrics["loss"], rel=1e-6)  # the flip matters
+
+
+def test_a_model_and_its_ema_are_validated_in_one_pass_each_as_if_alone():
+    """The trainer's validation of the model and its EMA reads (and decodes) the val split once."""
+    data, net = Images(10), model()
+    other = copy.deepcopy(net)
+    with torch.no_grad():
+        other[0].weight.mul_(-1)
+    reads = []
+    loader = DataLoader(data, batch_size=4, collate_fn=lambda items: reads.append(1) or collate(items))
+    both = evaluate_each([net, other], loader, CPU, "fp32", False, topk=(1, 3))
+    assert len(reads) == 3  # 10 images in batches of 4: once through
+    for totals, alone in zip(both, (net, other), strict=True):
+        nll = nn.functional.cross_entropy(by_hand(alone, data.images, flip=False), data.labels)
+        assert totals.metrics["loss"] == pytest.approx(nll.item(), rel=1e-5)
+    assert both[0].metrics["loss"] != pytest.approx(both[1].metrics["loss"])
 
 
 def test_predict_answers_every_input_in_order_and_a_bad_one_with_its_error():
