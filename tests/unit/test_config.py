@@ -335,3 +335,42 @@ def test_best_pt_follows_the_ema_by_default_and_the_trained_weights_without_one(
     assert config_from_dict({}).resolved({"train.ema_decay": 0}).checkpoint.best_metric == "top1"
     assert config_from_dict({}).resolved({"train.ema_decay": 0.99}).checkpoint.best_metric == "ema_top1"
     assert config_from_dict(given).resolved({"train.ema_decay": 0}).checkpoint.best_metric == "top1"
+
+
+def test_the_default_first_crop_at_its_edges():
+    """default_min_image_size: on from PROGRESSIVE_FROM (64) px exactly; None where the first crop would be
+    the whole image (16 px) even when asked for, and for a size validation will refuse."""
+    from ddp_cli.config import PROGRESSIVE_FROM, default_min_image_size
+
+    cnn = {"name": "resnet18"}
+    assert default_min_image_size({"image_size": PROGRESSIVE_FROM}, cnn, {}) == 48
+    assert default_min_image_size({"image_size": PROGRESSIVE_FROM - 1}, cnn, {}) is None
+    assert default_min_image_size({"image_size": 16, "progressive": True}, cnn, {}) is None
+    assert default_min_image_size({"image_size": "big"}, cnn, {}) is None
+
+
+def test_given_keys_of_a_table_or_a_section_object():
+    from ddp_cli.config import TrainConfig, given_keys
+
+    assert given_keys(TrainConfig(epochs=3)) == {"epochs": 3}
+    assert given_keys({"image_size": 112}) == {"image_size": 112}
+    assert given_keys("image_size = 112") is None
+
+
+@pytest.mark.parametrize(("policy", "interpolation", "bicubic"), [
+    ("trivialaugment", "bicubic", True), ("trivialaugment", "bilinear", False), ("none", "bicubic", False)])
+def test_a_policy_rotates_bicubic_only_when_there_is_a_policy(policy, interpolation, bicubic):
+    assert AugmentConfig(policy=policy, interpolation=interpolation).bicubic_policy() is bicubic
+
+
+def test_unknown_key_says_where_the_key_is_missing_and_what_a_section_holds():
+    """The sweep space's check of its keys (sweep/space.py): the owner of the missing part, or the run
+    config at the top; a section is not a key, with the first six of its keys; a part below a key."""
+    from ddp_cli.config import OptimConfig, unknown_key
+
+    assert unknown_key("optim.lr_per_256") is None
+    assert unknown_key("optimiser").startswith("optimiser: unknown key: the run config has no 'optimiser'")
+    assert unknown_key("optim.lrr").startswith("optim.lrr: unknown key: optim has no 'lrr'")
+    assert unknown_key("optim.lr.scale").startswith("optim.lr.scale: unknown key: optim.lr has no 'scale'")
+    six = ", ".join(list(OptimConfig.model_fields)[:6])
+    assert unknown_key("optim") == f"optim: a section, not a key; name one of its keys ({six})"
