@@ -124,3 +124,30 @@ def test_under_a_launcher_the_fault_goes_to_it_and_the_rank_waits_for_it_to_come
     with pytest.raises(DdpError, match="stopped by SIGINT after step 2,") as stopped:
         run_steps(trainer, range(1, 9))
     assert sent == ["launcher"] and stopped.value.exit_code == 130
+
+
+BY_TOP1 = {"checkpoint": {"best_metric": "top1"}}
+
+
+@pytest.mark.parametrize(("sets", "judged"), [({}, "ema"), (BY_TOP1, "model")])
+def test_an_epoch_end_judges_best_pt_and_the_stop_by_the_weights_the_run_hands_over(one_process_group, sets,
+                                                                                   judged):
+    """The default EMA's top-1 decides best.pt and is what a sweep's pruner is told; with best_metric
+    "top1", the trained weights' (the fit loop's epoch end, training and validation stood in for)."""
+    from types import SimpleNamespace
+
+    cfg = make_config({"train": {"epochs": 2, "ema_decay": "auto"}, **sets})
+    seed_everything(cfg.seed)
+    ctx = DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo")
+    model = build_model(cfg.model, CLASSES)
+    trainer = Trainer(cfg, ctx, model, Loaders(None, [], None), 4, Checkpointer(None))
+    scores = {"model": {"loss": 1.0, "top1": 0.5, "top5": 1.0},
+              "ema": {"loss": 0.9, "top1": 0.6, "top5": 1.0}}
+    trainer.train_epoch = lambda epoch: (1.0, set(), {})
+    trainer.validate = lambda bad: tuple(SimpleNamespace(metrics=scores[w]) for w in ("model", "ema"))
+    saved, told = [], []
+    trainer.checkpoint = lambda top1=None: saved.append(top1)
+    trainer.stop_after_epoch = lambda val, epoch: told.append(val) or False
+    out = trainer.fit()
+    assert saved == [scores[judged]["top1"]] * 2 and told == [scores[judged]] * 2
+    assert (out["final"], out["final_ema"]) == (scores["model"], scores["ema"])
