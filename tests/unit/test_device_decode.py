@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 from syncs import HostSyncs
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddp_cli.cli.plan import augmentation as plan_augmentation
 from ddp_cli.config import AugmentConfig, DataConfig, RunConfig
@@ -201,6 +202,36 @@ def test_the_device_path_makes_no_host_sync():
     assert {"affine", "rotate", "adjust_sharpness", "autocontrast", "equalize", "posterize"} <= drawn
     assert out.shape == (60, 24, 24, 3)
     assert len(syncs) == 0, syncs.report()
+
+
+class Ops(TorchDispatchMode):
+    """Counts the tensor operations run under it: on a GPU, each a kernel or more the host launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_render_is_batched_a_few_operations_an_image_not_a_resize_each():
+    """The host's cost of a batch grows by a copy an image, not by a crop, resize, round and flip launched
+    each (16 operations an image that way: 70 ms a batch of 256 on an H100's host, BENCHMARKS.md)."""
+    transform = train_transform(DataConfig(image_size=24), AugmentConfig(), defer=True)
+
+    def operations(count: int) -> int:
+        items = []
+        for seed, file in enumerate((FILES * 4)[:count]):
+            torch.manual_seed(seed)
+            items.append(transform(open_image(file)))
+        batch = collate_images(items)
+        with Ops() as ops:
+            batch.to(CPU)
+        return ops.count
+
+    assert (operations(24) - operations(6)) / 18 <= 8
 
 
 def test_auto_decodes_on_the_gpu_where_workers_train_on_cuda_and_torchvision_can(monkeypatch):

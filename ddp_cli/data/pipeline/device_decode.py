@@ -10,24 +10,24 @@ segment, one pinned buffer) beside the rows already rendered.
 
 On the rank, `DeferredBatch.to(device)` (what the trainer calls on a batch's
 images) decodes the JPEGs in one batched call (torchvision.io.decode_jpeg: nvJPEG
-on a GPU, libjpeg-turbo on a CPU), then per image crops and resizes (in float:
-CUDA's antialiased resize has no uint8 kernel; rounded back to uint8 as the CPU
-path's), flips, and replays the augmentation's steps through v2's tensor kernels
-(`augment.replay`); the normalisation is the batch's, as for every batch
-(`to_model_input`). Nothing is read back to the host: the two places where
-torchvision's tensor kernels would wait for the device (a tensor made from Python
-numbers on it, a boolean-mask assignment) are rewritten by `queued` into queued
-equivalents (tests/gpu_rules, tests/unit/test_device_decode). One wait is
-torchvision's own and stays: its nvJPEG decoder works on a stream of its own
-(baseline JPEGs on the GPU's hardware JPEG engines where it has them, A100 and
-later) and synchronises that stream before returning, so the host waits for the
-batch's decode, not for the training queued before it, which the GPU runs
-meanwhile (its output is taken from a stream of ddp's own: nvJPEG's engine
-would otherwise write memory that training still reads; `decode_jpegs`): the
-step keeps pace as long as the decode and the step's launches
-take less host time than the step takes the GPU. The per-image work is launched
-image by image (each crop differs in size and place): some ten kernels an image,
-twice that with a policy op, which `make gpu-check`'s input stage weighs.
+on a GPU, libjpeg-turbo on a CPU), then crops, resizes and flips the batch's
+images together (`batched_resize`: two batched matrix products in float, torch's
+antialiased filters, rounded back to uint8 as the CPU path's), and replays each
+image's augmentation steps through v2's tensor kernels (`augment.replay`); the
+normalisation is the batch's, as for every batch (`to_model_input`). Nothing is
+read back to the host: the two places where torchvision's tensor kernels would
+wait for the device (a tensor made from Python numbers on it, a boolean-mask
+assignment) are rewritten by `queued` into queued equivalents (tests/gpu_rules,
+tests/unit/test_device_decode). One wait is torchvision's own and stays: its
+nvJPEG decoder works on a stream of its own (baseline JPEGs on the GPU's hardware
+JPEG engines where it has them, A100 and later) and synchronises that stream
+before returning, so the host waits for the batch's decode, not for the training
+queued before it, which the GPU runs meanwhile (its output is taken from a stream
+of ddp's own: nvJPEG's engine would otherwise write memory that training still
+reads; `decode_jpegs`): the step keeps pace as long as the decode, the render's
+launches and the step's take less host time than the step takes the GPU, which
+`make gpu-check`'s input stage weighs. The render is batched for that: launched
+image by image it held an H100's host 70 ms a batch of 256.
 
 An image the device's decoder refuses anyway is decoded on the rank's CPU
 (`images.decode`, PIL judging it) and goes on through the same steps; one PIL
@@ -42,7 +42,7 @@ import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torchvision
@@ -52,8 +52,9 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from ddp_cli.config import RunConfig
 from ddp_cli.data.pipeline.augment import replay
+from ddp_cli.data.pipeline.batched_resize import host_tensor, resize_crops
 from ddp_cli.data.pipeline.images import BadImage, bad_image_message, decode_rgb
-from ddp_cli.data.pipeline.transforms import Deferred, crop_resize
+from ddp_cli.data.pipeline.transforms import Deferred, pixel_box
 from ddp_cli.errors import DataError
 
 log = logging.getLogger("ddp")
@@ -93,22 +94,41 @@ class DeferredBatch:
         out = torch.empty((len(self), self.size, self.size, 3), dtype=torch.uint8, device=device)
         if self.pixel_rows:
             rendered = self.pixels.to(device, non_blocking=True)
-            for i, row in enumerate(self.pixel_rows):
-                out[row] = rendered[i]
+            out.index_copy_(0, host_tensor(self.pixel_rows, device), rendered)
         files = self.files()
-        with queued(device):
-            decoded = decode_jpegs(files, device)
-            for row, item, data, image in zip(self.rows, self.items, files, decoded, strict=True):
-                hwc = image.permute(1, 2, 0) if image is not None else on_cpu(data, item, device)
-                if hwc is None:
-                    out[row].zero_()
-                else:
-                    out[row] = render(hwc, item, device)
+        images = [Decoded(row, item, image if image is not None else on_cpu(data, item, device))
+                  for row, item, data, image in zip(self.rows, self.items, files, decode_jpegs(files, device),
+                                                    strict=True)]
+        for blank in (image for image in images if image.chw is None):
+            out[blank.row].zero_()
+        render(out, [image for image in images if image.chw is not None], device)
         return out
 
 
+class Decoded(NamedTuple):
+    row: int  # in the batch
+    item: Deferred
+    chw: torch.Tensor | None  # on the device; None: a bad image skipped
+
+
+def render(out: torch.Tensor, images: list[Decoded], device: torch.device) -> None:
+    """The decoded images' plans, into their rows of `out`: crops resized and flipped in batches (one per
+    resize filter: `resize_crops`), then each image's augmentation steps replayed."""
+    for mode in sorted({image.item.interpolation for image in images}):
+        these = [image for image in images if image.item.interpolation == mode]
+        boxes = [pixel_box(image.item.plan.box, *image.chw.shape[1:]) for image in these]
+        flips = [image.item.plan.flip for image in these]
+        resized = resize_crops([image.chw for image in these], boxes, flips, out.shape[1], mode)
+        out.index_copy_(0, host_tensor([image.row for image in these], device), resized)
+    with queued(device):
+        for image in (image for image in images if image.item.plan.steps):
+            on_image, on_tensor = image.item.plan.steps
+            chw = replay(out[image.row].permute(2, 0, 1), on_image + on_tensor, device)
+            out[image.row] = chw.permute(1, 2, 0)
+
+
 def on_cpu(data: torch.Tensor, item: Deferred, device: torch.device) -> torch.Tensor | None:
-    """An image the device's decoder refused, decoded on the CPU (PIL judges it) and put on `device`;
+    """An image the device's decoder refused, decoded on the CPU (PIL judges it) and put on `device` as CHW;
     None for a bad image under "skip" (its row stays blank), DataError under "error"."""
     try:
         pixels = decode_rgb(data.numpy().tobytes())
@@ -117,19 +137,7 @@ def on_cpu(data: torch.Tensor, item: Deferred, device: torch.device) -> torch.Te
             raise DataError(bad_image_message(item.where, str(e))) from e
         log.warning("bad image %s: %s; its row of the batch is left blank", item.where, e)
         return None
-    return _pinned(pixels, device).to(device, non_blocking=True)
-
-
-def render(hwc: torch.Tensor, item: Deferred, device: torch.device) -> torch.Tensor:
-    """A decoded image's plan on its device: the crop resized, flipped, the augmentation's steps."""
-    plan = item.plan
-    out = crop_resize(hwc, plan.box, plan.size, item.interpolation, in_float=True)
-    if plan.flip:
-        out = out.flip(1)
-    if plan.steps:
-        on_image, on_tensor = plan.steps
-        out = replay(out.permute(2, 0, 1), on_image + on_tensor, device).permute(1, 2, 0)
-    return out
+    return _pinned(pixels, device).to(device, non_blocking=True).permute(2, 0, 1)
 
 
 def decode_choice(cfg: RunConfig, device: str) -> str:

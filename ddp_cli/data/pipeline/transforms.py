@@ -148,17 +148,23 @@ def crop_resize(pixels: torch.Tensor, box: tuple[float, float, float, float], si
                 mode: str = "bilinear", in_float: bool = False) -> torch.Tensor:
     """The (top, left, height, width) box of an HWC uint8 image, resized (antialiased bilinear or bicubic)
     to size x size HWC uint8; `in_float`: resized in float32 and rounded (CUDA has no uint8 kernel)."""
-    top, left, h, w = box
-    y0, x0 = max(0, round(top)), max(0, round(left))
-    y1 = min(pixels.shape[0], max(y0 + 1, round(top + h)))
-    x1 = min(pixels.shape[1], max(x0 + 1, round(left + w)))
-    crop = pixels[y0:y1, x0:x1].unsqueeze(0).permute(0, 3, 1, 2)  # NCHW view of NHWC memory
+    y0, x0, h, w = pixel_box(box, pixels.shape[0], pixels.shape[1])
+    crop = pixels[y0:y0 + h, x0:x0 + w].unsqueeze(0).permute(0, 3, 1, 2)  # NCHW view of NHWC memory
     if in_float:
         crop = crop.float()
     out = F.interpolate(crop, size=(size, size), mode=mode, antialias=True, align_corners=False)
     if in_float:
         out = out.round_().clamp_(0, 255).to(torch.uint8)
     return out[0].permute(1, 2, 0).contiguous()  # channels_last in, channels_last out: no copy
+
+
+def pixel_box(box: tuple[float, float, float, float], height: int, width: int) -> tuple[int, int, int, int]:
+    """A (top, left, height, width) box in fractional pixels as the whole pixels it crops from an image of
+    `height` x `width`: edges rounded, at least one pixel, inside the image."""
+    top, left, h, w = box
+    y0, x0 = max(0, round(top)), max(0, round(left))
+    y1, x1 = min(height, max(y0 + 1, round(top + h))), min(width, max(x0 + 1, round(left + w)))
+    return y0, x0, y1 - y0, x1 - x0
 
 
 def to_model_input(
