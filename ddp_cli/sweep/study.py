@@ -26,6 +26,7 @@ import psutil
 from ddp_cli.config import RunConfig, apply_override, load_config
 from ddp_cli.errors import ConfigError, DdpError
 from ddp_cli.io import write_text
+from ddp_cli.models.user_model import is_user_model
 from ddp_cli.observe.mlflow_sink import PARENT_ENV, MlflowSink
 from ddp_cli.observe.sinks import read_metrics
 from ddp_cli.registry import load_registry
@@ -84,11 +85,15 @@ def place(opts: SweepOptions, base: RunConfig) -> Place:
     return Place(folder, opts.study or saved.get("study") or f"{base.name}-{stamp}", storage)
 
 
-def base_config(opts: SweepOptions) -> dict[str, Any]:
-    """The sweep's config as the user wrote it, with its --set: what the best config is written from."""
+def base_config(opts: SweepOptions, base: RunConfig) -> dict[str, Any]:
+    """The sweep's config as the user wrote it, with its --set: what the best config is written from,
+    in the sweep's folder or wherever `sweep report --out` says. So a model file's path, relative to the
+    config's folder as written, is made absolute, as `base` (the config read) holds it."""
     raw = parse_toml(read_text(opts.config, ConfigError), str(opts.config), ConfigError)
     for item in opts.overrides:
         apply_override(raw, item)
+    if is_user_model(base.model.name):
+        raw.setdefault("model", {})["name"] = base.model.name
     return raw
 
 
@@ -180,7 +185,7 @@ class Sweep:
             raise ConfigError(f"{self.opts.space}: direction {self.space.direction} but study {where.study} "
                               f"{study.direction.name.lower()}s; start a new study")
         if "ddp_config" not in study.user_attrs:
-            study.set_user_attr("ddp_config", base_config(self.opts))
+            study.set_user_attr("ddp_config", base_config(self.opts, self.base))
             study.set_user_attr("ddp_space", self.space.as_dict())
         saved = {"study": where.study, "storage": masked(where.storage), "config": str(self.opts.config),
                  "space": str(self.opts.space)}

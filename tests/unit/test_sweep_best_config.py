@@ -1,0 +1,32 @@
+"""best.toml, the sweep's best trial as a config `ddp train` takes as is, from wherever it is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from ddp_cli.config import load_config
+from ddp_cli.sweep.report import best_config_text
+from ddp_cli.sweep.study import SweepOptions, base_config
+
+MODEL = "import torch\n\ndef make(num_classes=10):\n    return torch.nn.Linear(4, num_classes)\n"
+
+
+def test_best_toml_names_a_model_file_of_the_sweep_config_wherever_it_is_written(tmp_path, monkeypatch):
+    (tmp_path / "configs" / "nets").mkdir(parents=True)
+    (tmp_path / "configs" / "nets" / "tiny.py").write_text(MODEL)
+    config = tmp_path / "configs" / "run.toml"
+    config.write_text('[data]\ndataset = "demo"\n[model]\nname = "nets/tiny.py:make"\n')
+    monkeypatch.chdir(tmp_path)  # the sweep runs from the project's root, its config in configs/
+    opts = SweepOptions(config=Path("configs/run.toml"), space=tmp_path / "space.toml",
+                        overrides=["optim.lr_per_256=0.2"])
+    raw = base_config(opts, load_config(opts.config, opts.overrides))
+    study = SimpleNamespace(study_name="s", user_attrs={"ddp_config": raw})
+    trial = SimpleNamespace(number=3, value=0.9, params={"optim.label_smoothing": 0.05})
+    best = tmp_path / "sweeps" / "s" / "best.toml"
+    best.parent.mkdir(parents=True)
+    best.write_text(best_config_text(study, trial))
+    cfg = load_config(best)
+    assert cfg.model.name == f"{tmp_path / 'configs' / 'nets' / 'tiny.py'}:make"
+    assert cfg.model.source.sha256  # located: the file, hashed as any run's
+    assert (cfg.optim.lr_per_256, cfg.optim.label_smoothing) == (0.2, 0.05)
