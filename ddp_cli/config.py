@@ -73,10 +73,10 @@ class DataConfig(Section):
     )
     batch_size: int = Field(32, ge=1, description="Images per worker per micro-step.")
     workers: NonNegativeInt | Literal["auto"] = Field(
-        4, description="DataLoader processes per worker (0 = in-process). auto: from the cores per "
+        "auto", description="DataLoader processes per worker (0 = in-process). auto: from the cores per "
         "worker and a measured decode time: on GPU every core but the trainer's; on CPU as many as "
         "decoding's share of the cores, and none unless loading apart would gain 10% (docs: "
-        '"Performance", "Loader processes").',
+        '"Performance", "Loader processes"); written out as a number in the run dir\'s config.toml.',
     )
     prefetch_factor: PositiveInt | Literal["auto"] = Field(
         2, description="Batches each loader process keeps ready. auto: at least 2, and 4 batches "

@@ -47,7 +47,7 @@ BENCH = ("--device", "cuda", "--model", "resnet50", "--image-size", "224", "--ba
          "--world-size", "1", "--steps", "10", "--rounds", "3")
 RATIO, RATIO_EMA, PEAK = 0.98, 0.97, 1.05  # ddp's step vs the bare loop: images/s, with EMA; peak memory
 # The input stage: 512 ImageNet-like JPEGs under 48 names each (24,576 files: 96 steps of 256), 256 for val.
-# The loader decodes workers x prefetch_factor batches ahead before the first step (32 with 16 workers):
+# The loader decodes workers x prefetch_factor batches ahead before the first step (30 with 15 workers):
 # a run is timed after those (`steady_rate`), so it is well longer (24 steps on an H100 were all prefetched)
 INPUT_BATCH, INPUT_STEPS, INPUT_EVERY, INPUT_VAL = 256, 96, 4, 256
 INPUT_JPEGS = ("--size", "500x375", "--classes", "8", "--per-class", "64", "--copies", "48",

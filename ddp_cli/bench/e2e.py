@@ -84,6 +84,16 @@ def run_ddp(config: Path, registry: Path, cfg: RunConfig, run_dir: Path, target:
             "precision": json.loads(out.strip().splitlines()[-1])["precision"]}
 
 
+def loader_processes(config: Path, registry: Path, cfg: RunConfig) -> int:
+    """data.workers as ddp's run has it: "auto" made a number by its dry run, for the baseline to load
+    with as many processes."""
+    if cfg.data.workers != "auto":
+        return cfg.data.workers
+    _, out = run_timed([sys.executable, "-m", "ddp_cli", "train", str(config), "--registry", str(registry),
+                        "--set", f"train.epochs={cfg.train.epochs}", "--dry-run", "--json"])
+    return json.loads(out.strip().splitlines()[-1])["data_workers"]["workers"]
+
+
 BASELINES = ("torchrun", "reference")
 # torchvision's references/classification/train.py: --lr 0.1 for 256 images of global batch,
 # momentum 0.9, --wd 1e-4; its StepLR (every 30 epochs) never steps in a short run
@@ -92,12 +102,13 @@ REFERENCE_MIN_CROP_SCALE = 0.08  # RandomResizedCrop's default scale
 REFERENCE_CROP_SHARE = 0.875  # val: Resize(224 / 0.875 = 256), CenterCrop(224)
 
 
-def baseline_arguments(cfg: RunConfig, workers: int, baseline: str) -> list[str]:
+def baseline_arguments(cfg: RunConfig, workers: int, baseline: str, loaders: int) -> list[str]:
     """The recipe arguments of e2e_baseline.py: ddp's recipe from `cfg` (`torchrun`) or torchvision's
-    reference recipe at `cfg`'s model, data, epochs, image size and per-worker batch (`reference`)."""
+    reference recipe at `cfg`'s model, data, epochs, image size and per-worker batch (`reference`), with
+    as many `loaders` processes per worker as ddp's run."""
     data, optim = cfg.data, cfg.optim
     common = ["--model", cfg.model.name, "--epochs", str(cfg.train.epochs),
-              "--batch-size", str(data.batch_size), "--workers", str(data.workers),
+              "--batch-size", str(data.batch_size), "--workers", str(loaders),
               "--image-size", str(data.image_size), "--seed", str(cfg.seed),
               *(["--hflip"] if data.hflip else [])]
     if baseline == "torchrun":
@@ -114,11 +125,11 @@ def baseline_arguments(cfg: RunConfig, workers: int, baseline: str) -> list[str]
     raise ValueError(f"baseline {baseline!r}: expected one of {', '.join(BASELINES)}")
 
 
-def run_baseline(root: str, cfg: RunConfig, workers: int, target: float, baseline: str = "torchrun") -> dict:
+def run_baseline(root: str, cfg: RunConfig, workers: int, target: float, baseline: str, loaders: int) -> dict:
     """The torchrun script with the `baseline` recipe (`baseline_arguments`)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={workers}", "-m", "ddp_cli.bench.e2e_baseline", "--root", root,
-               *baseline_arguments(cfg, workers, baseline)]
+               *baseline_arguments(cfg, workers, baseline, loaders)]
     started, out = run_timed(command)
     curve = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {**outcome("baseline", started, curve, target), "precision": "fp32"}
@@ -137,12 +148,13 @@ def bench_e2e(config: Path, registry: str | None, target: float, rounds: int, ep
                         "script reads local files, use a local data set")
     _, root = entry.open()
     workers = resolve_nproc(LaunchOptions(), cfg.distributed)
+    loaders = loader_processes(config, registry_path, cfg)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ddp-bench-e2e-") as tmp:
         for r in range(rounds):
             for name in ("ddp", "baseline") if r % 2 == 0 else ("baseline", "ddp"):
                 row = (run_ddp(config, registry_path, cfg, Path(tmp) / f"ddp-{r}", target)
-                       if name == "ddp" else run_baseline(root, cfg, workers, target, baseline))
+                       if name == "ddp" else run_baseline(root, cfg, workers, target, baseline, loaders))
                 rows.append({"round": r + 1, **row})
     medians = {name: median(row["to_target_s"] for row in rows if row["pipeline"] == name)
                for name in ("ddp", "baseline")}
@@ -154,6 +166,7 @@ def bench_e2e(config: Path, registry: str | None, target: float, rounds: int, ep
         "target_top1": target,
         "epochs": cfg.train.epochs,
         "world_size": workers,
+        "loader_workers": loaders,
         "channels_last": cfg.model.channels_last,
         "rounds": rounds,
         "machine": machine(),

@@ -118,7 +118,7 @@ def test_e2e_baseline_script_trains_under_torchrun_and_reports_each_epoch(tmp_pa
 
     make_imagenet_loc(tmp_path, classes=3, train_per_class=8, val=7, size=32)
     cfg = load_config(REPO / "configs/demo.toml", ["train.epochs=2", "data.batch_size=4", "data.workers=0"])
-    out = run_baseline(str(tmp_path), cfg, 2, target=0.0, baseline="reference")
+    out = run_baseline(str(tmp_path), cfg, 2, target=0.0, baseline="reference", loaders=0)
     assert out["pipeline"] == "baseline" and out["precision"] == "fp32"
     assert out["reached"] and out["at_epoch"] == 1
     assert 0 < out["to_target_s"] <= out["total_s"] and 0 <= out["final_top1"] <= 1

@@ -18,7 +18,7 @@ from ddp_cli.config import load_config
 
 def parsed(config: str, baseline: str, workers: int = 2, overrides: tuple[str, ...] = ()):
     cfg = load_config(REPO / config, list(overrides))
-    return cfg, arguments(["--root", "/data", *baseline_arguments(cfg, workers, baseline)])
+    return cfg, arguments(["--root", "/data", *baseline_arguments(cfg, workers, baseline, cfg.data.workers)])
 
 
 def test_torchrun_baseline_runs_the_configs_own_recipe():
@@ -54,3 +54,23 @@ def test_an_unknown_baseline_is_a_usage_error():
     result = CliRunner().invoke(app, ["bench", "e2e", "--baseline", "timm", "--json"])
     assert result.exit_code == 2
     assert "--baseline timm" in json.loads(result.stdout.strip().splitlines()[-1])["error"]
+
+
+def test_the_baseline_loads_with_as_many_processes_as_ddps_run_resolves(monkeypatch, tmp_path):
+    """data.workers = "auto" (the default) is a number only once ddp's preflight chooses it: the bench asks
+    ddp's dry run, and hands the baseline that number."""
+    from ddp_cli.bench import e2e
+
+    asked = []
+
+    def dry_run(command, timeout=None):
+        asked.append(command)
+        return 0.0, 'log line\n{"data_workers": {"workers": 3, "rule": "CPU"}}\n'
+    monkeypatch.setattr(e2e, "run_timed", dry_run)
+    cfg = load_config(REPO / "benchmarks/defaults-demo.toml")
+    assert cfg.data.workers == "auto"
+    config, registry = tmp_path / "c.toml", tmp_path / "data.toml"
+    assert e2e.loader_processes(config, registry, cfg) == 3
+    assert "--dry-run" in asked[0] and asked[0][asked[0].index("--registry") + 1] == str(registry)
+    assert e2e.loader_processes(config, registry, cfg.resolved({"data.workers": 2})) == 2
+    assert len(asked) == 1  # a number as set needs no dry run
