@@ -54,6 +54,20 @@ def test_a_batch_of_crops_over_the_budget_is_resized_a_chunk_at_a_time_to_the_sa
     assert torch.equal(batched(drawn, 32, "bilinear"), whole)
 
 
+def test_one_image_is_a_batch_too():
+    drawn = draws(1, seed=2)
+    assert torch.equal(batched(drawn, 16, "bilinear"), per_image(drawn, 16, "bilinear"))
+
+
+def test_chunks_are_filled_largest_crop_first_each_up_to_the_budget(monkeypatch):
+    """Greedy by area, largest first: a chunk takes the next crop while the chunk padded to its largest
+    height and width stays within the budget (here exactly at it: 2 x 3 x 50 x 100), else a new one
+    starts."""
+    monkeypatch.setattr(batched_resize, "BUDGET", 2 * 3 * 50 * 100)
+    groups = chunks([(100, 30), (100, 30), (4, 9), (50, 30), (30, 100)])
+    assert sorted(map(sorted, groups)) == [[0, 1], [2], [3, 4]]
+
+
 def test_chunks_hold_each_crop_once_within_the_budget_and_a_huge_one_alone(monkeypatch):
     monkeypatch.setattr(batched_resize, "BUDGET", 3 * 100 * 100)
     sizes = [(50, 40), (100, 100), (30, 30), (300, 200), (60, 70), (10, 90)]

@@ -37,7 +37,7 @@ def cubic(x: torch.Tensor) -> torch.Tensor:
 FILTERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"bilinear": triangle, "bicubic": cubic}
 
 
-def resize_weights(lengths: torch.Tensor, size: int, span: int, mode: str = "bilinear") -> torch.Tensor:
+def resize_weights(lengths: torch.Tensor, size: int, span: int, mode: str) -> torch.Tensor:
     """N x size x span: row i of image n weighs the crop's `span` (padded) pixels for output pixel i, as
     torch's antialiased kernels do: centre (i + 0.5) * scale, the filter stretched by the scale when it
     shrinks."""
@@ -50,7 +50,7 @@ def resize_weights(lengths: torch.Tensor, size: int, span: int, mode: str = "bil
 
 
 def resize_crops(images: Sequence[torch.Tensor], boxes: Sequence[Box], flips: Sequence[bool], size: int,
-                 mode: str = "bilinear") -> torch.Tensor:
+                 mode: str) -> torch.Tensor:
     """N x size x size x 3 uint8: each CHW uint8 image's box resized to size x size (antialiased, in float,
     rounded), flipped left-right where asked. Chunks of crops padded to at most `BUDGET` floats each."""
     device = images[0].device
