@@ -27,19 +27,20 @@ What plays what:
   its own dtype on its own device, accumulating as autograd does, then runs their post-accumulate hooks.
 - Host work runs for real: an op with no fake tensor in and no CUDA device asked for (a sampler's
   permutation, seeding, a model built on the CPU, a DataLoader's collate; `pin_memory` is a marked copy,
-  and a `non_blocking` copy to the GPU must come from one), and `torch.load` reads its file for real.
+  and a `non_blocking` copy to the GPU must come from one; a copy without `non_blocking`, which the host
+  waits for, is recorded in `blocking`), and `torch.load` reads its file for real.
   Files holding fake tensors cannot be written: a test writes a real copy of a state, its tensors tagged
   cuda:3 as a GPU run writes them (`written_on_gpu`), and loading such a tensor anywhere but the CPU (no
   map_location="cpu") is refused.
 
 What this proves: every device placement, transfer, collective and torch.cuda call the code makes on the
-GPU path is one a GPU run with NCCL accepts, and the step reads nothing back to the host. What it
-cannot: numerics (no values exist; a sanctioned read gives a placeholder, so code that computes with
-what it read is exercised, not checked), kernels and their speed, backward's own kernels, NCCL's real
-behaviour (hangs, timeouts, ordering across ranks, one rank only is played), DDP's C++ reducer itself
-(its bucket order and sizes are approximated), pinned memory's real effect, loader processes (the tests
-load in-process), torch.compile, and a real file written from GPU memory. tests/cuda and
-`make gpu-check` cover those on a GPU.
+GPU path is one a GPU run with NCCL accepts, and the step reads nothing back to the host and waits for
+no copy to the GPU. What it cannot: numerics (no values exist; a sanctioned read gives a placeholder, so
+code that computes with what it read is exercised, not checked), kernels and their speed, backward's own
+kernels, NCCL's real behaviour (hangs, timeouts, ordering across ranks, one rank only is played), DDP's
+C++ reducer itself (its bucket order and sizes are approximated), pinned memory's real effect, loader
+processes (the tests load in-process), torch.compile, and a real file written from GPU memory.
+tests/cuda and `make gpu-check` cover those on a GPU.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class FakeGpuWorld:
 
     def __init__(self, monkeypatch) -> None:
         self.monkeypatch, self.reads, self.reads_allowed = monkeypatch, [], False
+        self.blocking: list[str] = []  # host-to-GPU copies the host waits for (`check_transfer`)
         self.cuda = CudaRecorder()
         self.collectives = CollectiveRules(self.cuda)
         self.mode = GpuFakeMode(self)
@@ -198,9 +200,14 @@ class FakeGpuWorld:
         return copy
 
     def check_transfer(self, source: Any, kwargs: dict[str, Any]) -> None:
-        """A host-to-GPU copy asked to be asynchronous is so only from pinned memory."""
+        """A host-to-GPU copy asked to be asynchronous is so only from pinned memory; one not asked to be
+        is a wait of the host for the copy, recorded in `blocking` (fine while setting up, not in a step)."""
         device = kwargs.get("device")
-        to_gpu = device is not None and torch.device(device).type == "cuda" and kwargs.get("non_blocking")
-        if to_gpu and source.device.type == "cpu" and not getattr(source, "pinned_by_fake_world", False):
-            raise GpuRuleError(f"a non_blocking copy of a {tuple(source.shape)} {source.dtype} tensor to "
-                               f"{device} from pageable memory: synchronous on a GPU (no pin_memory)")
+        if device is None or torch.device(device).type != "cuda" or source.device.type != "cpu":
+            return
+        what = f"a copy of a {tuple(source.shape)} {source.dtype} tensor to {device}"
+        if not kwargs.get("non_blocking"):
+            self.blocking.append(what)
+        elif not getattr(source, "pinned_by_fake_world", False):
+            raise GpuRuleError(f"a non_blocking {what[2:]} from pageable memory: synchronous on a GPU (no "
+                               "pin_memory)")

@@ -70,6 +70,7 @@ def test_a_deferred_batch_is_decoded_augmented_and_normalised_on_the_ranks_gpu(g
     nvjpeg_on_fake_tensors(monkeypatch, decoded)
     device = choose_device("nccl", RANK)  # bound, as a worker's is before its loaders
     batch = loader_batch(12)  # every image erased, a policy op on most
+    gpu.blocking.clear()
     assert any(item.plan.steps[0] for item in batch.images.items)
     x = to_model_input(batch.images, device, channels_last=True)
     (called,) = decoded  # one batched call, on this rank's GPU, with the decoder's stream current
@@ -80,11 +81,13 @@ def test_a_deferred_batch_is_decoded_augmented_and_normalised_on_the_ranks_gpu(g
     assert [c for c in gpu.cuda.calls if c[0] == "record_stream"] == [("record_stream", "default")] * 11
     assert x.device == DEVICE and x.shape == (12, 3, SIZE, SIZE) and x.dtype == torch.float32
     assert x.is_contiguous(memory_format=torch.channels_last)
-    assert not gpu.reads
+    assert not gpu.reads and not gpu.blocking
 
 
 def test_a_training_step_on_deferred_batches_stays_on_the_gpu(gpu, monkeypatch):
     nvjpeg_on_fake_tensors(monkeypatch, [])
     trainer = gpu_trainer(gpu_config(augment={"policy": "trivialaugment"}, model={"channels_last": True}))
-    trainer.train_step([(loader_batch(BATCH),)])
-    assert not gpu.reads
+    batch = loader_batch(BATCH)
+    gpu.blocking.clear()
+    trainer.train_step([(batch,)])
+    assert not gpu.reads and not gpu.blocking

@@ -11,9 +11,12 @@ from gpu_rules.gpu_parts import gpu_config, gpu_trainer, micro_batches
 from gpu_rules.node import DEVICE
 
 
-def step(trainer, steps: int = 1) -> None:
+def step(gpu, trainer, steps: int = 1) -> None:
+    """`steps` training steps, none of whose host-to-GPU copies makes the host wait (setting up may)."""
+    gpu.blocking.clear()
     for _ in range(steps):
         trainer.train_step(micro_batches(trainer))
+    assert not gpu.blocking
 
 
 def off_the_gpu(tensors) -> list[str]:
@@ -34,7 +37,7 @@ def test_a_step_with_accumulation_ema_and_clipping_stays_on_the_gpu_and_reads_no
     trainer = gpu_trainer(cfg)
     module, logits = trainer.model.module, []
     module[-1].register_forward_hook(lambda layer, inputs, output: logits.append(output.dtype))
-    step(trainer)
+    step(gpu, trainer)
     assert logits == [autocast, autocast]  # CUDA autocast on ("auto": the GPU computes bf16)
     assert not off_the_gpu(module.state_dict().values())
     momentum = [t for state in trainer.optimizer.state.values() for t in state.values()]
@@ -50,7 +53,7 @@ def test_a_step_with_accumulation_ema_and_clipping_stays_on_the_gpu_and_reads_no
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw", "lars", "lamb", "rmsprop"])
 def test_every_optimizer_steps_on_the_gpu_in_channels_last_and_reads_nothing(gpu, optimizer):
     trainer = gpu_trainer(gpu_config(optim={"name": optimizer}, model={"channels_last": True}))
-    step(trainer, 2)
+    step(gpu, trainer, 2)
     assert not off_the_gpu(t for s in trainer.optimizer.state.values() for t in s.values()
                            if isinstance(t, torch.Tensor) and t.dim())
     assert not gpu.reads
@@ -61,7 +64,7 @@ def test_syncbatchnorm_gathers_its_statistics_on_the_gpu(gpu):
     boolean masks per layer, outside CUDA graph capture): allowed here, counted."""
     trainer = gpu_trainer(gpu_config(model={"sync_batchnorm": True}))
     with gpu.host_reads():
-        step(trainer)
+        step(gpu, trainer)
     gathered = [shapes for name, _, shapes in gpu.collectives.calls if name == "all_gather_into_tensor"]
     assert gathered and all(device == "cuda:3" for shapes in gathered for device, _, _ in shapes)
     assert gpu.reads == ["a boolean mask's count"] * 3
@@ -71,14 +74,14 @@ def test_syncbatchnorm_gathers_its_statistics_on_the_gpu(gpu):
                    "every fp16 step (optimizer not fused)")
 def test_an_fp16_step_reads_nothing_back(gpu):
     trainer = gpu_trainer(gpu_config(train={"precision": "fp16"}))
-    step(trainer)
+    step(gpu, trainer)
 
 
 def test_an_fp16_step_scales_unscales_and_clips_on_the_gpu(gpu):
     """The GradScaler path, its host read allowed (see the xfail above): scale and found_inf on cuda:3."""
     trainer = gpu_trainer(gpu_config(train={"precision": "fp16"}, optim={"grad_clip": 1.0}))
     with gpu.host_reads():
-        step(trainer, 2)
+        step(gpu, trainer, 2)
     assert trainer.scaler._scale.device == DEVICE and trainer.scaler._growth_tracker.device == DEVICE
 
 
@@ -86,7 +89,7 @@ def test_an_fp16_step_scales_unscales_and_clips_on_the_gpu(gpu):
                                               ("bf16", torch.bfloat16)])
 def test_each_reduction_hook_all_reduces_its_buckets_on_the_gpu(gpu, reduce, wire):
     trainer = gpu_trainer(gpu_config(distributed={"reduce": reduce, "bucket_cap_mb": 0.0001}))
-    step(trainer)
+    step(gpu, trainer)
     reductions = gradient_reductions(gpu)
     assert len(reductions) > 1  # the tiny bucket cap makes several buckets
     assert {dtype for _, shapes in reductions for _, dtype, _ in shapes} == {str(wire)}
@@ -95,10 +98,10 @@ def test_each_reduction_hook_all_reduces_its_buckets_on_the_gpu(gpu, reduce, wir
 def test_powersgd_compresses_on_the_gpu_after_its_warmup(gpu):
     trainer = gpu_trainer(gpu_config(distributed={"reduce": "powersgd", "powersgd_warmup_steps": 2}))
     bucket = sum(p.numel() for p in trainer.model.module.parameters())
-    step(trainer, 2)
+    step(gpu, trainer, 2)
     assert [shapes[0][2] for _, shapes in gradient_reductions(gpu)] == [(bucket,), (bucket,)]  # exact
     gpu.collectives.calls.clear()
-    step(trainer)
+    step(gpu, trainer)
     compressed = gradient_reductions(gpu)
     assert len(compressed) == 3  # the 1-d tensors exact, then the low-rank factors P and Q
     assert all(shapes[0][:2] == ("cuda:3", "torch.float32") and shapes[0][2] != (bucket,)
@@ -129,7 +132,8 @@ def test_a_fixmatch_step_with_an_ema_teacher_stays_on_the_gpu_and_reads_nothing(
     views = torch.randint(0, 256, (2 * len(labelled[0].labels), 2, 8, 8, 3), dtype=torch.uint8).pin_memory()
     unlabelled = Batch(views, torch.full((len(views),), -1, dtype=torch.long).pin_memory(),
                        [""] * len(views), [""] * len(views))
+    gpu.blocking.clear()
     sums = trainer.train_step([(batch, unlabelled) for batch in labelled])
     assert isinstance(trainer.objective, FixMatch)
     assert not off_the_gpu([sums, *trainer.model.module.state_dict().values()])
-    assert not gpu.reads
+    assert not gpu.reads and not gpu.blocking

@@ -77,3 +77,14 @@ def test_an_asynchronous_copy_to_the_gpu_needs_pinned_memory(bound):
     with pytest.raises(GpuRuleError, match="from pageable memory"):
         to_model_input(images, DEVICE, channels_last=False)
     assert to_model_input(images.pin_memory(), DEVICE, channels_last=True).device == DEVICE
+
+
+def test_a_copy_to_the_gpu_the_host_waits_for_is_recorded(bound):
+    """A copy not asked to be asynchronous makes the host wait for it (from pinned memory too): recorded,
+    for the step's tests to find none; an asynchronous one from pinned memory is not."""
+    labels = torch.zeros(4, dtype=torch.long)
+    labels.pin_memory().to(DEVICE, non_blocking=True)
+    assert not bound.blocking
+    labels.pin_memory().to(DEVICE)
+    labels.to(DEVICE)
+    assert bound.blocking == ["a copy of a (4,) torch.int64 tensor to cuda:3"] * 2
