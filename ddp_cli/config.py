@@ -50,7 +50,7 @@ class Section(BaseModel):
 
 VAL_CROP_SHARE = 0.875  # val: the centre crop's share of the resized side (224 of 256), as torchvision's
 PROGRESSIVE_FROM = 64  # the smallest image_size progressive resizing is on for by default (docs/recipes.md)
-PROGRESSIVE_SCALE = 0.71  # the default first crop, of image_size (FFCV's 160 of 224, the issue's 80 of 112)
+PROGRESSIVE_SCALE = 0.5  # the default first crop, of image_size (Composer's initial_scale; recipes.md)
 PROGRESSIVE_RAMP = (0.4, 0.85)  # the default ramp, as fractions of the epochs (Composer's delay; FFCV's end)
 EMA_HORIZON = 100  # train.ema_decay "auto": averages over an epoch of steps, at least this many (recipes.md)
 # keys ddp derives from others when a config leaves them unset (the val crop, the epochs, the model, the EMA)
@@ -141,18 +141,19 @@ class DataConfig(Section):
     progressive: bool = Field(
         True, description="Progressive resizing (FFCV, Composer): the first epochs train on a smaller "
         "crop, raised to image_size by the end. On by default for torchvision's CNNs and resnet_tiny at "
-        "image_size >= 64 and without FixMatch: min_image_size and ramp_epochs then default to ~0.7 x "
+        "image_size >= 64 and without FixMatch: min_image_size and ramp_epochs then default to 0.5 x "
         "image_size and the ramp over the run's 40-85% (docs: recipes, \"The default recipe\"); false = "
         "every epoch at image_size.",
     )
     min_image_size: int | None = Field(
         None, ge=8, description="Progressive resizing: the train crop of the first epochs, raised to "
-        "image_size over ramp_epochs in steps of 32 px (FFCV's rule). Unset = 0.7 x image_size to the "
+        "image_size over ramp_epochs in steps of 32 px (FFCV's rule). Unset = 0.5 x image_size to the "
         "nearest 16 px where data.progressive is on by default, else no progressive resizing.",
     )
     ramp_epochs: list[float] = Field(
         [0, 0], description="Progressive resizing: [start, end] epochs of the ramp from "
-        "min_image_size to image_size (unset with min_image_size unset: 40% and 85% of train.epochs).",
+        "min_image_size to image_size (unset: 40% and 85% of train.epochs, whether min_image_size is "
+        "given or derived).",
     )
 
     @field_validator("ramp_epochs")
@@ -591,14 +592,16 @@ class RunConfig(Section):
         if not isinstance(raw, dict):
             return raw
         data = given_keys(raw.get("data", {}))
-        if data is None or data.get("min_image_size") is not None or data.get("progressive") is False:
+        if data is None or data.get("progressive") is False:
             return raw
-        start = default_min_image_size(data, given_keys(raw.get("model", {})) or {},
-                                       given_keys(raw.get("semi", {})) or {})
         epochs = (given_keys(raw.get("train", {})) or {}).get("epochs", TrainConfig().epochs)
         ramp = data.get("ramp_epochs")
         if "ramp_epochs" not in data and isinstance(epochs, int):
             ramp = [round(epochs * share, 2) for share in PROGRESSIVE_RAMP]
+        if data.get("min_image_size") is not None:  # a first crop given, the ramp left to ddp: the default's
+            return {**raw, "data": {**data, "ramp_epochs": ramp}} if ramp is not None else raw
+        start = default_min_image_size(data, given_keys(raw.get("model", {})) or {},
+                                       given_keys(raw.get("semi", {})) or {})
         if start is None or not isinstance(ramp, list) or not ramp or ramp[-1] == 0:  # a ramp ending at 0
             return {**raw, "data": {**data, "progressive": bool(data.get("progressive", False))}}
         return {**raw, "data": {**data, "progressive": True, "min_image_size": start, "ramp_epochs": ramp}}
@@ -712,15 +715,15 @@ def given_keys(section: Any) -> dict[str, Any] | None:
 
 def default_min_image_size(data: dict[str, Any], model: dict[str, Any], semi: dict[str, Any]) -> int | None:
     """The first crop of progressive resizing when min_image_size is unset: PROGRESSIVE_SCALE x image_size
-    to the nearest 16 px. Unless data.progressive = true is given, None where the default leaves it off:
-    image_size under PROGRESSIVE_FROM (a small image's step is mostly overhead: docs/recipes.md), a model
-    that may not take other sizes, FixMatch (its unlabelled views keep one size)."""
+    to the nearest 16 px (a half up). Unless data.progressive = true is given, None where the default
+    leaves it off: image_size under PROGRESSIVE_FROM (a small image's step is mostly overhead:
+    docs/recipes.md), a model that may not take other sizes, FixMatch (its unlabelled views keep one size)."""
     size, name = data.get("image_size", DataConfig().image_size), model.get("name", ModelConfig().name)
     if not isinstance(size, int) or not isinstance(name, str):
         return None  # for validation to refuse
     off_by_default = (size < PROGRESSIVE_FROM or not takes_any_size(name)
                       or semi.get("method", "none") != "none")
-    start = max(16, round(size * PROGRESSIVE_SCALE / 16) * 16)
+    start = max(16, math.floor(size * PROGRESSIVE_SCALE / 16 + 0.5) * 16)  # halves up: 112 -> 64, 80 -> 48
     return None if start >= size or (off_by_default and data.get("progressive") is not True) else start
 
 

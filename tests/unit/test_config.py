@@ -343,7 +343,7 @@ def test_the_default_first_crop_at_its_edges():
     from ddp_cli.config import PROGRESSIVE_FROM, default_min_image_size
 
     cnn = {"name": "resnet18"}
-    assert default_min_image_size({"image_size": PROGRESSIVE_FROM}, cnn, {}) == 48
+    assert default_min_image_size({"image_size": PROGRESSIVE_FROM}, cnn, {}) == 32
     assert default_min_image_size({"image_size": PROGRESSIVE_FROM - 1}, cnn, {}) is None
     assert default_min_image_size({"image_size": 16, "progressive": True}, cnn, {}) is None
     assert default_min_image_size({"image_size": "big"}, cnn, {}) is None

@@ -55,7 +55,7 @@ def test_real_models_train_and_return_plain_logits(name, size):
 
 @pytest.mark.parametrize(("name", "size", "data", "message"), [
     ("inception_v3", 64, {"progressive": False}, "inception_v3 cannot take 64x64 images"),
-    ("inception_v3", 96, {}, "cannot take 64x64 images .*data.min_image_size, progressive resizing's first "
+    ("inception_v3", 96, {}, "cannot take 48x48 images .*data.min_image_size, progressive resizing's first "
                              "crop: raise it, or set data.progressive = false"),
     ("alexnet", 32, {}, "alexnet cannot take 32x32 images"),
     ("vit_b_16", 40, {}, "cannot be built for data.image_size = 40"),  # not a multiple of 16
