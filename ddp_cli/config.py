@@ -51,7 +51,7 @@ class Section(BaseModel):
 VAL_CROP_SHARE = 0.875  # val: the centre crop's share of the resized side (224 of 256), as torchvision's
 PROGRESSIVE_FROM = 64  # the smallest image_size progressive resizing is on for by default (docs/recipes.md)
 PROGRESSIVE_SCALE = 0.5  # the default first crop, of image_size (Composer's initial_scale; recipes.md)
-PROGRESSIVE_RAMP = (0.4, 0.85)  # the default ramp, as fractions of the epochs (Composer's delay; FFCV's end)
+PROGRESSIVE_RAMP = (0.4, 1.0)  # the default ramp, in fractions of the epochs: Composer's delay, to the end
 EMA_HORIZON = 100  # train.ema_decay "auto": averages over an epoch of steps, at least this many (recipes.md)
 # keys ddp derives from others when a config leaves them unset (the val crop, the epochs, the model, the EMA)
 DERIVED = ("data.val_resize", "data.progressive", "data.min_image_size", "data.ramp_epochs",
@@ -140,10 +140,11 @@ class DataConfig(Section):
     )
     progressive: bool = Field(
         True, description="Progressive resizing (FFCV, Composer): the first epochs train on a smaller "
-        "crop, raised to image_size by the end. On by default for torchvision's CNNs and resnet_tiny at "
-        "image_size >= 64 and without FixMatch: min_image_size and ramp_epochs then default to 0.5 x "
-        "image_size and the ramp over the run's 40-85% (docs: recipes, \"The default recipe\"); false = "
-        "every epoch at image_size.",
+        "crop, raised toward image_size by the end (in 32 px steps: a short run's last crop may stay "
+        "under it, which validation then tests above, FixRes). On by default for torchvision's CNNs and "
+        "resnet_tiny at image_size >= 64 and without FixMatch: min_image_size and ramp_epochs then "
+        "default to 0.5 x image_size and the ramp from 40% of the run to its end (docs: recipes, \"The "
+        "default recipe\"); false = every epoch at image_size.",
     )
     min_image_size: int | None = Field(
         None, ge=8, description="Progressive resizing: the train crop of the first epochs, raised to "
@@ -152,7 +153,7 @@ class DataConfig(Section):
     )
     ramp_epochs: list[float] = Field(
         [0, 0], description="Progressive resizing: [start, end] epochs of the ramp from "
-        "min_image_size to image_size (unset: 40% and 85% of train.epochs, whether min_image_size is "
+        "min_image_size to image_size (unset: 40% and 100% of train.epochs, whether min_image_size is "
         "given or derived).",
     )
 

@@ -61,12 +61,13 @@ def sizes_of(raw: dict) -> list[int]:
     return [cfg.data.train_size(e) for e in range(cfg.train.epochs)]
 
 
-def test_on_by_default_from_half_the_size_over_40_to_85_percent_of_the_epochs():
-    """The default recipe: 64 -> 112 px over 8 epochs (issue 41's measured run), 112 -> 224 over 16: half
-    the side (Composer's initial_scale) to the nearest 16 px, a half rounded up."""
+def test_on_by_default_from_half_the_size_from_40_percent_of_the_epochs_to_the_end():
+    """The default recipe: from half the side (Composer's initial_scale) to the nearest 16 px, a half rounded
+    up, ramped in 32 px steps to the run's end: 64 -> 96 px over 8 epochs at 112 (issue 41's measured run:
+    the last crop under the val crop, as FixRes), 112 -> 224 over 16."""
     cfg = config_from_dict({"data": {"image_size": 112}, "train": {"epochs": 8}})
-    assert (cfg.data.progressive, cfg.data.min_image_size, cfg.data.ramp_epochs) == (True, 64, [3.2, 6.8])
-    assert sizes_of({"data": {"image_size": 112}, "train": {"epochs": 8}}) == [64] * 5 + [96] * 2 + [112]
+    assert (cfg.data.progressive, cfg.data.min_image_size, cfg.data.ramp_epochs) == (True, 64, [3.2, 8.0])
+    assert sizes_of({"data": {"image_size": 112}, "train": {"epochs": 8}}) == [64] * 5 + [96] * 3
     assert sizes_of({"data": {"image_size": 224}, "train": {"epochs": 16}})[::5] == [112, 112, 160, 224]
     firsts = [config_from_dict({"data": {"image_size": s}}).data.min_image_size for s in (64, 80, 96, 144)]
     assert firsts == [32, 48, 48, 80]  # 40 and 72 px round up
@@ -92,10 +93,10 @@ def test_a_first_crop_given_alone_ramps_over_the_default_epochs():
     once left ramp_epochs at [0, 0], so the run trained at image_size throughout, silently); a ramp given
     with it stays, [0, 0] included."""
     assert sizes_of({"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 8}}) == (
-        [64] * 5 + [96] * 2 + [112])
+        [64] * 5 + [96] * 3)
     cfg = config_from_dict({"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 8}})
-    assert (cfg.data.progressive, cfg.data.ramp_epochs) == (True, [3.2, 6.8])
-    assert cfg.resolved({"train.epochs": 20}).data.ramp_epochs == [8.0, 17.0]
+    assert (cfg.data.progressive, cfg.data.ramp_epochs) == (True, [3.2, 8.0])
+    assert cfg.resolved({"train.epochs": 20}).data.ramp_epochs == [8.0, 20.0]
     assert sizes_of({"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [0, 0]}}) == [112] * 90
 
 
@@ -113,7 +114,7 @@ def test_the_run_dirs_config_toml_holds_the_sizes_and_an_old_one_resumes_without
     cfg = config_from_dict({"data": {"image_size": 112}, "train": {"epochs": 8}})
     written = tomllib.loads(cfg.to_toml())["data"]
     keys = ("progressive", "min_image_size", "ramp_epochs")
-    assert [written[key] for key in keys] == [True, 64, [3.2, 6.8]]
+    assert [written[key] for key in keys] == [True, 64, [3.2, 8.0]]
     assert config_from_dict(tomllib.loads(cfg.to_toml())) == cfg
     old = tomllib.loads(cfg.to_toml())
     del old["data"]["progressive"], old["data"]["min_image_size"]
@@ -125,7 +126,7 @@ def test_a_resolved_change_derives_the_sizes_again_but_keeps_those_given():
     """Preflight's and the commands' `resolved`: the sizes ddp derived follow a changed image_size or
     epochs (not the stale 160 px of a 224 px default, above a 112 px crop); given ones stay."""
     cfg = config_from_dict({"train": {"epochs": 8}}).resolved({"data.image_size": 112})
-    assert (cfg.data.min_image_size, cfg.data.ramp_epochs, cfg.data.val_resize) == (64, [3.2, 6.8], 128)
+    assert (cfg.data.min_image_size, cfg.data.ramp_epochs, cfg.data.val_resize) == (64, [3.2, 8.0], 128)
     given = config_from_dict({"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [1, 2],
                                        "val_resize": 112}})
     again = given.resolved({"train.epochs": 20})
