@@ -19,7 +19,7 @@ from ddp_cli.cli.plan import val_preprocessing
 from ddp_cli.cli.render import print_mapping
 from ddp_cli.config import AugmentConfig, DataConfig, RunConfig
 from ddp_cli.data.pipeline.augment import MEAN_PIXEL, augmentation, op_names, train_transform
-from ddp_cli.data.pipeline.images import decode, open_image
+from ddp_cli.data.pipeline.images import EncodedImage, decode, open_image
 from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset, eval_loader
 from ddp_cli.data.pipeline.transforms import MEAN, STD, ValTransform, crop_resize, random_resized_crop
 from ddp_cli.data.sources.packed import Split
@@ -221,6 +221,17 @@ def test_augmented_pixels_depend_only_on_seed_epoch_and_index(jpeg_split):
     assert not torch.equal(here, epoch_pixels(root, split, [(i, 2, 0) for i in range(6)], workers=0))
 
 
+def test_a_default_runs_crops_keep_a_quarter_of_the_image_and_up():
+    """data.min_crop_scale's default reaches the crops a run draws: none under a quarter of the image's
+    area (the boxes are whole pixels, hence 0.24), yet the smallest allowed are drawn (Inception's 0.08
+    went down to 8%; docs/recipes.md, "What each element is worth")."""
+    transform = train_transform(DataConfig(image_size=32), AugmentConfig())
+    photo = EncodedImage(b"", 400, 300, fast=True)
+    torch.manual_seed(0)
+    shares = [h * w / (400 * 300) for _, _, h, w in (transform.plan(photo).box for _ in range(2000))]
+    assert 0.24 <= min(shares) < 0.27 and max(shares) > 0.95
+
+
 def test_plan_lists_the_pipeline_in_order():
     cfg = RunConfig.model_validate({
         "data": {"image_size": 176, "val_image_size": 224, "val_resize": 232, "min_crop_scale": 0.08},
@@ -240,7 +251,7 @@ def test_plan_lists_the_pipeline_in_order():
     assert val_preprocessing(cfg) == ["Resize(232, bicubic, antialias)", "CenterCrop(224)",
                                       "Normalize(ImageNet mean, std) (on the device)"]
     plain = RunConfig.model_validate({"data": {"hflip": False}, "augment": {"cutmix_alpha": 1.0}})
-    assert plan_augmentation(plain) == ["RandomResizedCrop(224, scale=(0.08, 1), bilinear, antialias)",
+    assert plan_augmentation(plain) == ["RandomResizedCrop(224, scale=(0.25, 1), bilinear, antialias)",
                                         "Normalize(ImageNet mean, std) (on the device)",
                                         "CutMix(alpha=1), mix_prob 1 (on the device, per batch)"]
 

@@ -292,13 +292,17 @@ def test_more_problems_than_the_first_are_counted():
         config_from_dict({"seed": "x", "deterministic": "maybe", "data": {"batch_size": 0}})
 
 
-def test_a_run_dirs_config_keeps_the_label_smoothing_it_trained_with_when_the_default_changes():
-    """config.toml is written in full: a run from before the 0.1 default (its 0.0 written out) resumes
-    with 0.0; a config that leaves the key out gets the default."""
-    written = tomllib.loads(config_from_dict({"optim": {"label_smoothing": 0.0}}).to_toml())
-    assert written["optim"]["label_smoothing"] == 0.0
-    assert config_from_dict(written).optim.label_smoothing == 0.0
-    assert config_from_dict({}).optim.label_smoothing == 0.1
+@pytest.mark.parametrize(("section", "key", "before", "now"), [
+    ("optim", "label_smoothing", 0.0, 0.1),
+    ("data", "min_crop_scale", 0.08, 0.25),
+])
+def test_a_run_dirs_config_keeps_what_it_trained_with_when_a_default_changes(section, key, before, now):
+    """config.toml is written in full: a run from before a default changed (its old value written out)
+    resumes with that value; a config that leaves the key out gets the new default."""
+    written = tomllib.loads(config_from_dict({section: {key: before}}).to_toml())
+    assert written[section][key] == before
+    assert getattr(getattr(config_from_dict(written), section), key) == before
+    assert getattr(getattr(config_from_dict({}), section), key) == now
 
 
 @pytest.mark.parametrize(("data", "resize"), [
