@@ -37,7 +37,7 @@ class BlurConv2d(nn.Conv2d):
         return blurred
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.conv2d(x, self.blur.to(x.dtype), padding=1, groups=self.in_channels)
+        x = F.conv2d(x, self.blur, padding=1, groups=self.in_channels)  # autocast casts both alike
         return super().forward(x)
 
 

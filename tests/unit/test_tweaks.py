@@ -10,7 +10,7 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig
 from ddp_cli.models import build_model
-from ddp_cli.models.tweaks import BlurConv2d, add_blurpool, zero_init_residual
+from ddp_cli.models.tweaks import MIN_BLUR_CHANNELS, BlurConv2d, add_blurpool, blurs, zero_init_residual
 
 
 def plain_and_tweaked(name: str, blurpool: bool = True, zero_init_residual: bool = True
@@ -59,6 +59,55 @@ def test_blurpool_computes_in_the_inputs_dtype_and_memory_format():
     x = torch.rand(2, 16, 8, 8).to(memory_format=torch.channels_last)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert conv(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+@pytest.mark.parametrize("side", [16, 15])
+def test_blurpool_keeps_the_convolutions_output_shape(kernel, side):
+    """The blur pads to keep its input's size: the strided convolution after it gives what it gave alone."""
+    conv = nn.Conv2d(16, 8, kernel, stride=2, padding=kernel // 2)
+    x = torch.rand(2, 16, side, side)
+    assert BlurConv2d.replacing(conv)(x).shape == conv(x).shape
+
+
+def test_blurpool_of_a_bf16_convolution_computes_in_bf16_without_autocast():
+    """The filter is made in the convolution's dtype: a network cast to bf16 before BlurPool runs."""
+    conv = BlurConv2d.replacing(nn.Conv2d(16, 8, 3, stride=2, padding=1).to(torch.bfloat16))
+    assert conv(torch.rand(2, 16, 8, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_blurpool_starts_at_sixteen_input_channels():
+    """Strided convolutions from MIN_BLUR_CHANNELS inputs up are blurred; fewer (an RGB stem) are not, nor
+    stride 1 or grouped ones."""
+    assert blurs(nn.Conv2d(MIN_BLUR_CHANNELS, 8, 3, stride=2))
+    assert not blurs(nn.Conv2d(MIN_BLUR_CHANNELS - 1, 8, 3, stride=2))
+    assert not blurs(nn.Conv2d(MIN_BLUR_CHANNELS, 8, 3, stride=1))
+    assert not blurs(nn.Conv2d(MIN_BLUR_CHANNELS, MIN_BLUR_CHANNELS, 3, stride=2, groups=MIN_BLUR_CHANNELS))
+
+
+class Bottleneck(nn.Module):
+    """A block that only shares torchvision's class name: no `bn3` to zero."""
+
+
+class OwnBlock(nn.Module):
+    """timm's protocol: a block that zeroes its own last norm when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = False
+
+    def zero_init_last(self) -> None:
+        self.asked = True
+
+
+def test_zero_init_asks_blocks_that_know_how_and_passes_over_lookalikes():
+    """A block with its own `zero_init_last` (timm's, whatever its class) is asked; one named like
+    torchvision's without the norm is passed over, and the blocks after it are still zeroed."""
+    from torchvision.models.resnet import BasicBlock
+
+    own, basic = OwnBlock(), BasicBlock(8, 8)
+    assert zero_init_residual(nn.Sequential(Bottleneck(), own, basic)) == 2
+    assert own.asked and not basic.bn2.weight.any()
 
 
 @pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet_tiny"])
