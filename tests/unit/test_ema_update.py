@@ -36,6 +36,18 @@ def assert_state(ema: EmaModel, expected: dict[str, torch.Tensor]) -> None:
         torch.testing.assert_close(value, expected[key], msg=key)
 
 
+def test_a_new_ema_is_a_frozen_copy_in_eval_mode_that_updates_every_step_by_default():
+    """The average is never trained (no gradients: no graph in a forward outside no_grad, nothing for an
+    optimiser) and validates with running statistics; unless told `every`, each step updates it."""
+    model = small_model()
+    ema = EmaModel(model, decay=0.9)
+    assert ema.module is not model and not ema.module.training
+    assert not any(p.requires_grad for p in ema.module.parameters())
+    train_a_little(model)
+    ema.step(model, 1)
+    assert ema.updates == 1
+
+
 def test_the_foreach_update_equals_the_per_tensor_rule_and_copies_integer_buffers():
     model = small_model()
     ema = EmaModel(model, decay=0.9)
