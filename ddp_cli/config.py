@@ -97,9 +97,9 @@ class DataConfig(Section):
         '"skip": replace it by another sample and count it.',
     )
     min_crop_scale: float = Field(
-        0.25, gt=0, le=1, description="Smallest area fraction of RandomResizedCrop. 0.25: the target an "
-        "epoch or more sooner than Inception's 0.08 on both our data sets, and a final top-1 as high or "
-        "higher (docs/recipes.md, \"What each element is worth\"); 0.08 for torchvision's recipe.")
+        0.25, gt=0, le=1, description="Smallest area fraction of RandomResizedCrop. 0.25: over two "
+        "seeds, the target sooner than with Inception's 0.08 on both our data sets, and a final top-1 as "
+        "high or higher (docs/recipes.md, \"What each element is worth\"); 0.08 for torchvision's recipe.")
     hflip: bool = Field(True, description="Random horizontal flips in training.")
     cache_dir: str | None = Field(
         None, description="Remote (S3) roots: keep each image read under this local folder (~ and $VARS "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torchvision.models.resnet import BasicBlock
 
 from ddp_cli.config import ModelConfig
 from ddp_cli.models import build_model
@@ -103,8 +104,6 @@ class OwnBlock(nn.Module):
 def test_zero_init_asks_blocks_that_know_how_and_passes_over_lookalikes():
     """A block with its own `zero_init_last` (timm's, whatever its class) is asked; one named like
     torchvision's without the norm is passed over, and the blocks after it are still zeroed."""
-    from torchvision.models.resnet import BasicBlock
-
     own, basic = OwnBlock(), BasicBlock(8, 8)
     assert zero_init_residual(nn.Sequential(Bottleneck(), own, basic)) == 2
     assert own.asked and not basic.bn2.weight.any()
