@@ -49,8 +49,11 @@ class Section(BaseModel):
 
 
 VAL_CROP_SHARE = 0.875  # val: the centre crop's share of the resized side (224 of 256), as torchvision's
-PROGRESSIVE_FROM = 64  # the smallest image_size progressive resizing is on for by default (docs/recipes.md)
+PROGRESSIVE_FROM = 32  # the smallest image_size progressive resizing is on for by default (docs/recipes.md)
 PROGRESSIVE_SCALE = 0.5  # the default first crop, of image_size (Composer's initial_scale; recipes.md)
+PROGRESSIVE_FLOOR = 24  # ... and at least this: 16 cost the 32 px digits epochs, 24 saved some (recipes.md)
+PROGRESSIVE_REACH = 0.75  # on by default only where its steps reach this share of image_size (48 px: 32, off)
+RAMP_STEP = 32  # progressive resizing's crops are multiples of this (FFCV's rule)
 PROGRESSIVE_RAMP = (0.4, 1.0)  # the default ramp, in fractions of the epochs: Composer's delay, to the end
 EMA_HORIZON = 100  # train.ema_decay "auto": averages over an epoch of steps, at least this many (recipes.md)
 # keys ddp derives from others when a config leaves them unset (the val crop, the epochs, the model, the EMA)
@@ -143,14 +146,16 @@ class DataConfig(Section):
         True, description="Progressive resizing (FFCV, Composer): the first epochs train on a smaller "
         "crop, raised toward image_size by the end (in 32 px steps: a short run's last crop may stay "
         "under it, which validation then tests above, FixRes). On by default for torchvision's CNNs and "
-        "resnet_tiny at image_size >= 64 and without FixMatch: min_image_size and ramp_epochs then "
-        "default to 0.5 x image_size and the ramp from 40% of the run to its end (docs: recipes, \"The "
-        "default recipe\"); false = every epoch at image_size.",
+        "resnet_tiny at image_size >= 32 (not 43-48, where its steps never pass 32) and without FixMatch: "
+        "min_image_size and ramp_epochs then default to 0.5 x image_size (at least 24 px) and the ramp "
+        "from 40% of the run to its end (docs: recipes, \"The default recipe\"); false = every epoch at "
+        "image_size.",
     )
     min_image_size: int | None = Field(
         None, ge=8, description="Progressive resizing: the train crop of the first epochs, raised to "
         "image_size over ramp_epochs in steps of 32 px (FFCV's rule). Unset = 0.5 x image_size to the "
-        "nearest 16 px where data.progressive is on by default, else no progressive resizing.",
+        "nearest 16 px, at least 24, where data.progressive is on by default, else no progressive "
+        "resizing.",
     )
     ramp_epochs: list[float] = Field(
         [0, 0], description="Progressive resizing: [start, end] epochs of the ramp from "
@@ -198,7 +203,7 @@ class DataConfig(Section):
         if epoch <= start:
             return low
         between = low + (self.image_size - low) * (epoch - start) / (end - start)
-        return min(self.image_size, max(low, round(between / 32) * 32))
+        return min(self.image_size, max(low, round(between / RAMP_STEP) * RAMP_STEP))
 
     def sizes(self, epochs: int) -> set[int]:
         """Every input side the model meets: each epoch's train crop and the val crop (after the ramp's
@@ -717,15 +722,19 @@ def given_keys(section: Any) -> dict[str, Any] | None:
 
 def default_min_image_size(data: dict[str, Any], model: dict[str, Any], semi: dict[str, Any]) -> int | None:
     """The first crop of progressive resizing when min_image_size is unset: PROGRESSIVE_SCALE x image_size
-    to the nearest 16 px (a half up). Unless data.progressive = true is given, None where the default
-    leaves it off: image_size under PROGRESSIVE_FROM (a small image's step is mostly overhead:
-    docs/recipes.md), a model that may not take other sizes, FixMatch (its unlabelled views keep one size)."""
+    to the nearest 16 px (a half up), and at least PROGRESSIVE_FLOOR. Unless data.progressive = true is
+    given, None where the default leaves it off: image_size under PROGRESSIVE_FROM (unmeasured there), or
+    where the ramp's last step before image_size is under PROGRESSIVE_REACH of it (48 px would train at 32
+    throughout, 1.1 and 1.6 points under 48), a model that may not take other sizes, FixMatch (its
+    unlabelled views keep one size)."""
     size, name = data.get("image_size", DataConfig().image_size), model.get("name", ModelConfig().name)
     if not isinstance(size, int) or not isinstance(name, str):
         return None  # for validation to refuse
-    off_by_default = (size < PROGRESSIVE_FROM or not takes_any_size(name)
+    half = math.floor(size * PROGRESSIVE_SCALE / 16 + 0.5) * 16  # a half rounds up: 112 -> 64, 80 -> 48
+    start = max(PROGRESSIVE_FLOOR, half)
+    last = min(size, max(start, round((size - 1) / RAMP_STEP) * RAMP_STEP))  # train_size just before the end
+    off_by_default = (size < PROGRESSIVE_FROM or last < PROGRESSIVE_REACH * size or not takes_any_size(name)
                       or semi.get("method", "none") != "none")
-    start = max(16, math.floor(size * PROGRESSIVE_SCALE / 16 + 0.5) * 16)  # halves up: 112 -> 64, 80 -> 48
     return None if start >= size or (off_by_default and data.get("progressive") is not True) else start
 
 

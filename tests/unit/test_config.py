@@ -342,14 +342,21 @@ def test_best_pt_follows_the_ema_by_default_and_the_trained_weights_without_one(
 
 
 def test_the_default_first_crop_at_its_edges():
-    """default_min_image_size: on from PROGRESSIVE_FROM (64) px exactly; None where the first crop would be
-    the whole image (16 px) even when asked for, and for a size validation will refuse."""
-    from ddp_cli.config import PROGRESSIVE_FROM, default_min_image_size
+    """default_min_image_size: on from PROGRESSIVE_FROM (32) px exactly; half the side but never under
+    PROGRESSIVE_FLOOR (24); off by default where the ramp's steps stop short of PROGRESSIVE_REACH of the
+    side; None where the first crop would be the whole image (24 px) even when asked for, and for a size
+    validation will refuse."""
+    from ddp_cli.config import PROGRESSIVE_FLOOR, PROGRESSIVE_FROM, default_min_image_size
 
     cnn = {"name": "resnet18"}
-    assert default_min_image_size({"image_size": PROGRESSIVE_FROM}, cnn, {}) == 32
+    assert default_min_image_size({"image_size": PROGRESSIVE_FROM}, cnn, {}) == PROGRESSIVE_FLOOR == 24
     assert default_min_image_size({"image_size": PROGRESSIVE_FROM - 1}, cnn, {}) is None
-    assert default_min_image_size({"image_size": 16, "progressive": True}, cnn, {}) is None
+    assert default_min_image_size({"image_size": PROGRESSIVE_FROM - 1, "progressive": True}, cnn, {}) == 24
+    # 47 and 48 px: the 32 px steps stop at 32, under PROGRESSIVE_REACH (3/4) of the side; 56 ends at 56
+    assert [default_min_image_size({"image_size": s}, cnn, {}) for s in (40, 47, 48, 49, 56, 64)] == [
+        24, None, None, 32, 32, 32]
+    assert default_min_image_size({"image_size": 48, "progressive": True}, cnn, {}) == 32
+    assert default_min_image_size({"image_size": 24, "progressive": True}, cnn, {}) is None
     assert default_min_image_size({"image_size": "big"}, cnn, {}) is None
 
 

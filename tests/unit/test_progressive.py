@@ -71,11 +71,20 @@ def test_on_by_default_from_half_the_size_from_40_percent_of_the_epochs_to_the_e
     assert sizes_of({"data": {"image_size": 224}, "train": {"epochs": 16}})[::5] == [112, 112, 160, 224]
     firsts = [config_from_dict({"data": {"image_size": s}}).data.min_image_size for s in (64, 80, 96, 144)]
     assert firsts == [32, 48, 48, 80]  # 40 and 72 px round up
+
+
+def test_a_small_image_starts_at_24_px_not_half_its_side():
+    """The demo's 32 px digits from 24 px, not 16: from 16 they reached 0.8 two epochs later (validated at
+    32, twice what they trained on); from 24 as soon as at 32 px, on epochs ~0.6 x as costly (recipes.md).
+    In 32 px steps the ramp's first step is image_size."""
+    assert sizes_of({"data": {"image_size": 32}, "train": {"epochs": 8}}) == [24] * 4 + [32] * 4
+    assert sizes_of({"data": {"image_size": 40}, "train": {"epochs": 8}}) == [24] * 4 + [32] * 4
     assert sizes_of({"data": {"image_size": 112, "progressive": False}, "train": {"epochs": 8}}) == [112] * 8
 
 
 @pytest.mark.parametrize("raw", [
-    {"data": {"image_size": 32}},                            # a small image's step is mostly overhead
+    {"data": {"image_size": 28}},                            # under 32 px: not measured
+    {"data": {"image_size": 48}},                            # 32 px steps from 32 never reach 48
     {"model": {"name": "vit_b_16"}},                         # built for one size
     {"model": {"name": "timm/resnet18"}},                    # timm's and your own may be too
     {"model": {"name": "mine.py:build"}},
@@ -100,9 +109,9 @@ def test_a_first_crop_given_alone_ramps_over_the_default_epochs():
     assert sizes_of({"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [0, 0]}}) == [112] * 90
 
 
-def test_asked_for_it_runs_below_64_px_too_and_off_it_refuses_a_first_size():
-    asked = {"data": {"image_size": 32, "progressive": True}, "train": {"epochs": 4}}
-    assert sizes_of(asked) == [16, 16, 32, 32]
+def test_asked_for_it_runs_below_32_px_too_and_off_it_refuses_a_first_size():
+    asked = {"data": {"image_size": 28, "progressive": True}, "train": {"epochs": 4}}
+    assert sizes_of(asked) == [24, 24, 28, 28]
     with pytest.raises(ConfigError, match="data: min_image_size is set while progressive = false"):
         config_from_dict({"data": {"progressive": False, "min_image_size": 160}})
 
@@ -120,6 +129,11 @@ def test_the_run_dirs_config_toml_holds_the_sizes_and_an_old_one_resumes_without
     del old["data"]["progressive"], old["data"]["min_image_size"]
     old["data"]["ramp_epochs"] = [0.0, 0.0]
     assert set(sizes_of(old)) == {112}
+    # off by default is written out too: a 32 px run from before it was on there resumes at 32 px
+    off = tomllib.loads(config_from_dict({"data": {"image_size": 28}, "train": {"epochs": 8}}).to_toml())
+    assert off["data"]["progressive"] is False
+    off["data"]["image_size"] = 32
+    assert set(sizes_of(off)) == {32}
 
 
 def test_a_resolved_change_derives_the_sizes_again_but_keeps_those_given():
@@ -132,4 +146,6 @@ def test_a_resolved_change_derives_the_sizes_again_but_keeps_those_given():
     again = given.resolved({"train.epochs": 20})
     assert (again.data.min_image_size, again.data.ramp_epochs, again.data.val_resize) == (64, [1, 2], 112)
     small = config_from_dict({}).resolved({"data.image_size": 32})
-    assert not small.data.progressive and small.data.min_image_size is None
+    assert (small.data.progressive, small.data.min_image_size) == (True, 24)
+    tiny = config_from_dict({}).resolved({"data.image_size": 24})
+    assert not tiny.data.progressive and tiny.data.min_image_size is None
