@@ -56,6 +56,7 @@ PROGRESSIVE_REACH = 0.75  # on by default only where its steps reach this share 
 RAMP_STEP = 32  # progressive resizing's crops are multiples of this (FFCV's rule)
 PROGRESSIVE_RAMP = (0.4, 1.0)  # the default ramp, in fractions of the epochs: Composer's delay, to the end
 EMA_HORIZON = 100  # train.ema_decay "auto": averages over an epoch of steps, at least this many (recipes.md)
+EMA_BN_IMAGES = 256  # train.ema_bn_epochs: the train images the EMA's BatchNorm statistics are made from
 # keys ddp derives from others when a config leaves them unset (the val crop, the epochs, the model, the EMA)
 DERIVED = ("data.val_resize", "data.progressive", "data.min_image_size", "data.ramp_epochs",
            "checkpoint.best_metric")
@@ -462,6 +463,12 @@ class TrainConfig(Section):
         1, ge=1, description="Update the EMA every N steps, with decay ema_decay ** N (the same "
         "averaging horizon in steps, 1/N of the cost; torchvision's recipes use 32).",
     )
+    ema_bn_epochs: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description="Before validating each of the first N epochs, recompute the EMA's BatchNorm "
+        f"statistics from a fixed {EMA_BN_IMAGES} train images at the val crop (PreciseBN; 0 = never). "
+        "auto = the epochs that end within the EMA's horizon (1 / (1 - decay) steps) while progressive "
+        "resizing trains below its last crop (0 without either), written out in the run dir's config.toml.",
+    )
 
     def ema_decay_at(self, steps_per_epoch: int) -> float:
         """ema_decay made concrete for a run of `steps_per_epoch` steps an epoch (0 = no EMA)."""
@@ -634,6 +641,13 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _ema_bn_of_an_ema(self) -> RunConfig:
+        if self.train.ema_bn_epochs not in (0, "auto") and not self.train.ema_decay:
+            raise ValueError("train.ema_bn_epochs: recomputes the EMA's BatchNorm statistics, and the run "
+                             "has no EMA; set train.ema_decay (e.g. \"auto\") or train.ema_bn_epochs = 0")
+        return self
+
+    @model_validator(mode="after")
     def _best_of_an_ema(self) -> RunConfig:
         if self.checkpoint.best_metric == "ema_top1" and not self.train.ema_decay:
             raise ValueError("checkpoint.best_metric: \"ema_top1\" needs an EMA; set train.ema_decay "
@@ -710,6 +724,28 @@ class RunConfig(Section):
         """The learning rate at this world size: `optim.lr`, else `optim.lr_per_256` scaled linearly
         by the global batch."""
         return self.optim.effective_lr(self.global_batch(world_size))
+
+    def ema_bn_epochs_at(self, steps_per_epoch: int) -> int:
+        """train.ema_bn_epochs made concrete for `steps_per_epoch`. "auto": the epochs that end within the
+        EMA's horizon and train below the last crop. Until the run is as old as the horizon, the EMA's
+        statistics still carry those of its first, fast-moving weights, gathered at smaller crops than
+        validation's; past it, an average over the horizon's batches beat a sample (docs/recipes.md)."""
+        train = self.train
+        if train.ema_bn_epochs != "auto":
+            return train.ema_bn_epochs
+        decay = train.ema_decay_at(steps_per_epoch)
+        if not decay:
+            return 0
+        within = round(1 / (1 - decay)) // max(steps_per_epoch, 1)
+        return min(within, epochs_below_last_crop(self.data, train.epochs))
+
+
+def epochs_below_last_crop(data: DataConfig, epochs: int) -> int:
+    """How many of a run's first epochs train on a smaller crop than its last one (0 without progressive
+    resizing); the crops only grow, and are image_size past the ramp's end."""
+    last = data.train_size(epochs - 1)
+    ramp = range(min(epochs, math.ceil(data.ramp_epochs[1]) + 1))
+    return sum(data.train_size(epoch) < last for epoch in ramp)
 
 
 def given_keys(section: Any) -> dict[str, Any] | None:

@@ -81,6 +81,7 @@ def recipe(cfg: RunConfig) -> dict[str, Any]:
         "progressive_resizing": data.train_size(0) < data.image_size,
         "test_above_train_size": (data.val_image_size or data.image_size) > data.image_size,
         "ema": cfg.train.ema_decay != 0,  # "auto" is on
+        "ema_bn_epochs": cfg.train.ema_bn_epochs,
     }
 
 

@@ -125,7 +125,8 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
         check_unlabelled(len(unlabelled), workers.world_size, cfg)
     batches = len(labelled) // workers.world_size // cfg.data.batch_size  # as a rank's loader
     steps = count_steps(batches, cfg.train)
-    cfg = cfg.resolved({"train.ema_decay": cfg.train.ema_decay_at(steps)})  # "auto", for config.toml
+    cfg = cfg.resolved({"train.ema_decay": cfg.train.ema_decay_at(steps),  # "auto"s, for config.toml
+                        "train.ema_bn_epochs": cfg.ema_bn_epochs_at(steps)})
     return Preflight(cfg, entry, index, model, workers, loaders, resume, steps,
                      cfg.global_batch(workers.world_size), cfg.lr(workers.world_size),
                      (len(labelled), None if unlabelled is None else len(unlabelled)))

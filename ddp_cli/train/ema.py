@@ -13,6 +13,13 @@ per update as `d_t = min(d, (1 + t) / (10 + t))` (TensorFlow's `num_updates`
 rule, t = updates so far), so a short run's average is not stuck near the
 random initial weights.
 
+Early in a run that average lags: the statistics were gathered by weights
+that have moved since, and at crops smaller than validation's under
+progressive resizing. `recalibrate` recomputes them from a sample of train
+images at the val crop (PreciseBN, Wu and Johnson 2021), before validating the
+first `train.ema_bn_epochs` epochs; from then on the average over every batch
+measured better than a sample's (docs/recipes.md).
+
 The update is a handful of foreach kernels over tensor lists built once (the
 EMA module's and the live model's state, in state_dict order), not one kernel
 per tensor over freshly built state dicts; `restart` and `load_state_dict` copy
@@ -22,9 +29,11 @@ in place, so the lists stay valid.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -64,6 +73,32 @@ class EmaModel:
             torch._foreach_lerp_(self.floats, self.live_floats, 1 - d)
         if self.others:
             torch._foreach_copy_(self.others, self.live_others)
+
+    def recalibrate(self, inputs: Iterable[torch.Tensor]) -> None:
+        """Each BatchNorm's statistics made the plain average over the batches of `inputs` (every rank its
+        own share; then the mean over the ranks). Only the BatchNorm layers run in train mode, so dropout
+        and stochastic depth draw nothing, and the statistics are those of the network validation runs.
+        No BatchNorm, no pass. (`no_grad` inside, not as a decorator: mutmut skips decorated functions.)"""
+        with torch.no_grad():
+            norms = [m for m in self.module.modules()
+                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+            if not norms:
+                return
+            momenta = [norm.momentum for norm in norms]
+            for norm in norms:
+                norm.train()
+            for seen, x in enumerate(inputs):
+                for norm in norms:  # the k-th batch weighs 1/k: the plain average, with no host read of the
+                    norm.momentum = 1 / (seen + 1)  # batch count (momentum None divides by it on the host)
+                self.module(x)
+            for norm, momentum in zip(norms, momenta, strict=True):
+                norm.momentum = momentum
+                norm.eval()
+            stats = [t for norm in norms for t in (norm.running_mean, norm.running_var)]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                for tensor in stats:
+                    dist.all_reduce(tensor)
+                torch._foreach_div_(stats, dist.get_world_size())
 
     @torch.no_grad()
     def restart(self, model: nn.Module) -> None:

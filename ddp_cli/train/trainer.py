@@ -3,7 +3,8 @@
 `fit()` is the whole run: for each epoch, `train_epoch()` (micro-batches through
 DDP with `no_sync` on all but the last, one optimiser and schedule step each;
 the loss is the run's `Objective`'s: objectives.py), then `validate()` over the
-whole val split (and of the weights' EMA, if on),
+whole val split (and of the weights' EMA, if on: in the first epochs with its
+BatchNorm statistics recomputed first, `recalibrate_ema()`),
 and after every step and epoch `checkpoint()`: when the `Checkpointer` says a
 save is due, the state is settled and saved (and a stop signal ends the run).
 What a Trainer needs from its process (steps per epoch, the checkpointer with
@@ -27,8 +28,8 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig, TrainConfig, config_from_dict
 from ddp_cli.data.fetch.retry import retries_so_far
-from ddp_cli.data.pipeline.loaders import Loaders, skipped_files
-from ddp_cli.data.pipeline.transforms import normalising
+from ddp_cli.data.pipeline.loaders import Batch, Loaders, skipped_files
+from ddp_cli.data.pipeline.transforms import normalising, to_model_input
 from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext, queued_copy
 from ddp_cli.errors import ConfigError, DivergedError
@@ -38,11 +39,11 @@ from ddp_cli.observe.startup import StartupClock
 from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
 from ddp_cli.train.checkpoint_model import warn_if_changed
 from ddp_cli.train.ema import EmaModel
-from ddp_cli.train.inference import evaluate_each
+from ddp_cli.train.inference import evaluate_each, raise_bad_images
 from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.objectives import Micro, build_objective
 from ddp_cli.train.optim import build_optimizer
-from ddp_cli.train.precision import grad_scaler, resolve_precision
+from ddp_cli.train.precision import autocast, grad_scaler, resolve_precision
 from ddp_cli.train.schedules import build_scheduler, resume_schedule
 
 log = logging.getLogger("ddp")
@@ -88,6 +89,8 @@ class Trainer:
         train = cfg.train
         decay = train.ema_decay_at(steps_per_epoch)  # "auto" as preflight resolves it (a Trainer built bare)
         self.ema = EmaModel(model, decay, train.ema_every_steps) if decay else None
+        self.ema_bn_epochs = cfg.ema_bn_epochs_at(steps_per_epoch) if self.ema and loaders.calibration else 0
+        self.ema_bn_sample: list[Batch] | None = None  # its batches, read at the first recalibration
         self.model = replicate(model, cfg.distributed, ctx.device, steps_per_epoch * cfg.train.epochs)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.lr = cfg.lr(ctx.world_size)
@@ -119,6 +122,8 @@ class Trainer:
             seconds = time.perf_counter() - started
             train_seconds += seconds
             images_seen += self.steps_per_epoch * self.global_batch
+            if epoch < self.ema_bn_epochs:
+                self.recalibrate_ema()
             evaluation, of_ema = self.validate(bad)
             val = evaluation.metrics
             ema_val = of_ema.metrics if of_ema else None
@@ -302,6 +307,20 @@ class Trainer:
         dist.all_gather(everyone, self.running)
         self.state.running = [rank.tolist() for rank in everyone]
 
+    def recalibrate_ema(self) -> None:
+        """The EMA's BatchNorm statistics recomputed from the run's fixed sample of train images (this
+        rank's share, read once and kept: a few MB on the host)."""
+        if self.ema_bn_sample is None:
+            self.ema_bn_sample = list(self.loaders.calibration)
+            for batch in self.ema_bn_sample:
+                raise_bad_images(batch.errors)
+        if not self.ema_bn_sample:  # a split smaller than the world: no rank has any
+            return
+        device, norm = self.ctx.device, normalising(self.cfg.data)
+        with autocast(device, self.precision):
+            self.ema.recalibrate(to_model_input(batch.images, device, self.cfg.model.channels_last, norm)
+                                 for batch in self.ema_bn_sample)
+
     def validate(self, bad: set[str] | None = None) -> tuple[EvalTotals, EvalTotals | None]:
         """Evaluate rank 0's replica and its EMA, in one pass over the val split: their BatchNorm
         statistics are the ones checkpointed."""
@@ -321,11 +340,24 @@ class Trainer:
             warn_if_changed(config_from_dict(saved["config"], str(path)).model, path)
         if self.ema and saved.get("ema") is None:  # the run had no EMA so far: average from here on
             self.ema.restart(self.model.module)
+        self.keep_ema_bn_of(saved.get("config", {}).get("train", {}))
         saved_world, saved_batch = len(saved["rng"]), self.state.global_batch
         if (saved_world, saved_batch) != (self.ctx.world_size, self.global_batch):
             self.follow_world_size(path, saved_world, saved_batch)
         self.state.global_batch = self.global_batch
         self.state.world_sizes.append(self.ctx.world_size)
+
+    def keep_ema_bn_of(self, trained_with: dict[str, Any]) -> None:
+        """A run from before train.ema_bn_epochs (its checkpoint's config has no such key) goes on without
+        recomputing its EMA's statistics, as it trained: a run's config.toml resumes to the same weights.
+        Its next checkpoints say so (0), for the resumes after this one."""
+        if not self.ema_bn_epochs or not trained_with or "ema_bn_epochs" in trained_with:
+            return
+        self.ema_bn_epochs = 0
+        if "config" in self.checkpointer.meta:
+            self.checkpointer.meta["config"]["train"]["ema_bn_epochs"] = 0
+        self.console.info("resuming a run from before train.ema_bn_epochs: its EMA's BatchNorm statistics "
+                          "are not recomputed, as it trained")
 
     def follow_world_size(self, path: str | Path, saved_world: int, saved_batch: int) -> None:
         """Resume a checkpoint written at another world size (a node lost or added).

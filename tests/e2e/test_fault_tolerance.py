@@ -29,7 +29,10 @@ def train(registry, run_dir, *extra, env=None):
 
 
 def weights(run_dir):
-    return torch.load(run_dir / "checkpoints/last.pt", weights_only=True)["model"]
+    """The trained weights and, where the run has one, the EMA's (BatchNorm statistics included)."""
+    saved = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
+    ema = {f"ema.{k}": v for k, v in saved["ema"]["module"].items()} if saved.get("ema") else {}
+    return {**saved["model"], **ema}
 
 
 # Every augmentation and every element of the fast recipe at once, so that a stop by SIGTERM and its
@@ -37,7 +40,8 @@ def weights(run_dir):
 # MixUp/CutMix draws, the epoch's crop size, the EMA): repeated augmentation, the per-image policy, jitter
 # and erasing, MixUp/CutMix (mix_prob 1 by default; the switch picks either); progressive resizing (8 px
 # in the first epoch, the one the stop lands in), a val crop above the train crop, BlurPool, zero-init
-# residuals, the EMA and label smoothing (on by default).
+# residuals, the EMA (its BatchNorm statistics recomputed before the first validation: train.ema_bn_epochs
+# derives 1 from this ramp) and label smoothing (on by default).
 EVERYTHING = ["--set", "augment.repeated_aug=2", "--set", "augment.policy=trivialaugment",
               "--set", "augment.color_jitter=0.3", "--set", "augment.random_erase=0.5",
               "--set", "augment.random_erase_value=random", "--set", "augment.mixup_alpha=0.2",
@@ -56,7 +60,7 @@ def uninterrupted(demo_registry, tmp_path_factory):
 
 
 def assert_bit_identical(resumed: dict, reference: dict, run_dir: Path, reference_dir: Path) -> None:
-    assert resumed["final"] == reference["final"]
+    assert resumed["final"] == reference["final"] and resumed["final_ema"] == reference["final_ema"]
     a, b = weights(run_dir), weights(reference_dir)
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
 

@@ -4,10 +4,14 @@ path, and nothing read back to the host (FakeTensorMode raises on `.item()` and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from gpu_rules.gpu_parts import gpu_config, gpu_trainer, micro_batches
+from ddp_cli.data.pipeline.loaders import collate
+from gpu_rules.gpu_parts import TinyImages, gpu_config, gpu_trainer, micro_batches
 from gpu_rules.node import DEVICE
 
 
@@ -137,3 +141,20 @@ def test_a_fixmatch_step_with_an_ema_teacher_stays_on_the_gpu_and_reads_nothing(
     assert isinstance(trainer.objective, FixMatch)
     assert not off_the_gpu([sums, *trainer.model.module.state_dict().values()])
     assert not gpu.reads and not gpu.blocking
+
+
+def test_the_ema_s_batchnorm_recalibration_stays_on_the_gpu_and_reads_nothing(gpu):
+    """train.ema_bn_epochs: the sample's pinned batches copied without the host waiting, the EMA's forward
+    and its statistics on the rank's GPU, averaged over the ranks by NCCL all-reduces."""
+    trainer = gpu_trainer(gpu_config(train={"ema_decay": 0.9, "precision": "bf16", "ema_bn_epochs": 1}))
+    sample = DataLoader(TinyImages(), batch_size=4, sampler=[3, 11, 19, 27], pin_memory=True,
+                        collate_fn=collate)
+    trainer.loaders = replace(trainer.loaders, calibration=sample)
+    gpu.blocking.clear()
+    gpu.collectives.calls.clear()
+    trainer.recalibrate_ema()
+    assert not gpu.blocking and not gpu.reads
+    norm = trainer.ema.module[1]
+    assert not off_the_gpu([norm.running_mean, norm.running_var])
+    reduced = [shapes for name, _, shapes in gpu.collectives.calls if name == "all_reduce"]
+    assert reduced == [[("cuda:3", "torch.float32", (4,))]] * 2  # the mean and the variance

@@ -117,6 +117,8 @@ def test_preflight_keeps_what_its_checks_computed(loader_rule):
     assert isinstance(plan.steps_per_epoch, int)  # whole batches: the plan prints 8, not 8.0
     # the EMA's "auto" decay made concrete for config.toml: 8 steps an epoch, so averaged over 100 steps
     assert plan.cfg.train.ema_decay == pytest.approx(0.99) and plan.cfg.checkpoint.best_metric == "ema_top1"
+    # and its BatchNorm recalibration's: the 12 epochs that end within those 100 steps (all at 24 px)
+    assert plan.cfg.train.ema_bn_epochs == 12
     assert loader_rule["choose"][0][6] is plan.model  # the auto rule times this model
     assert plan.global_batch == 120 and plan.lr == pytest.approx(0.64 * 120 / 256)
     assert list(clock.phases) == ["index", "model_check", "data_workers"]

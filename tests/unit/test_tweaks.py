@@ -141,7 +141,8 @@ def test_the_dry_run_plan_says_which_elements_of_the_recipe_are_on():
 
     assert recipe(config_from_dict({})) == {
         "blurpool": False, "zero_init_residual": False, "label_smoothing": 0.1,
-        "progressive_resizing": True, "test_above_train_size": False, "ema": True}
+        "progressive_resizing": True, "test_above_train_size": False, "ema": True, "ema_bn_epochs": "auto"}
+    assert recipe(config_from_dict({}).resolved({"train.ema_bn_epochs": 2}))["ema_bn_epochs"] == 2  # a plan's
     assert not recipe(config_from_dict({"data": {"progressive": False}}))["progressive_resizing"]
     assert not recipe(config_from_dict({"train": {"ema_decay": 0}}))["ema"]
     on = config_from_dict({

@@ -30,7 +30,7 @@ from ddp_cli.data.pipeline.augment import train_transform
 from ddp_cli.data.pipeline.device_decode import DeferredBatch, collate_images
 from ddp_cli.data.pipeline.images import BadImage, EncodedImage, bad_image_message, open_image
 from ddp_cli.data.pipeline.sampler import ShardSampler, shard_sequence
-from ddp_cli.data.pipeline.seeds import derived_seed
+from ddp_cli.data.pipeline.seeds import CALIBRATION, derived_seed
 from ddp_cli.data.pipeline.transforms import Deferred, ValTransform
 from ddp_cli.data.sources.packed import PARQUET, Split
 from ddp_cli.data.sources.table import IndexTable
@@ -273,6 +273,7 @@ class Loaders:
     train_sampler: ShardSampler | None
     unlabelled: DataLoader | None = None  # semi.method = "fixmatch": the unlabelled views' loader (semi.py)
     unlabelled_stream: Sampler | None = None  # its sampler: an endless `semi.UnlabelledStream`
+    calibration: DataLoader | None = None  # train.ema_bn_epochs: the EMA's BatchNorm sample
 
 
 def make_loader(
@@ -314,8 +315,10 @@ def build_loaders(
     pin_memory: bool,
     train: bool = True,
     augment: AugmentConfig = AugmentConfig(),
+    calibration: int = 0,
 ) -> Loaders:
-    """This rank's train and val loaders (`train=False` for validation-only jobs)."""
+    """This rank's train and val loaders (`train=False` for validation-only jobs), and with `calibration`
+    images its share of the EMA's BatchNorm sample."""
     val = eval_loader(cfg, fs, root, index.splits["val"], rank, world_size, seed, pin_memory,
                       interpolation=augment.interpolation)
     if not train:
@@ -330,7 +333,9 @@ def build_loaders(
     items = EpochItems(dataset, seed, cfg.train_size if cfg.min_image_size else None)
     train_loader = make_loader(items, sampler, cfg.batch_size, cfg.workers, cfg.prefetch_factor, pin_memory,
                                drop_last=True, seed=seed + 1000 * (rank + 1))
-    return Loaders(train_loader, val, sampler)
+    sample = calibration_loader(cfg, fs, root, split, rank, world_size, seed, pin_memory, calibration,
+                                augment.interpolation) if calibration else None
+    return Loaders(train_loader, val, sampler, calibration=sample)
 
 
 def shard_cache(cfg: DataConfig) -> int:
@@ -345,10 +350,34 @@ def eval_loader(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str, split
     """Validation's pipeline over `split` in order, this rank's every k-th item: nothing padded or
     dropped. `on_bad_image` "report" (predict) hands a bad file's reason over as the item's error;
     `interpolation` is the val resize's unless `data.val_interpolation` is set."""
-    transform = ValTransform(cfg.val_image_size or cfg.image_size, cfg.val_resize,
-                             cfg.val_interpolation or interpolation)
-    dataset = ImageDataset(fs, root, split, transform, on_bad_image or cfg.on_bad_image, transform.size,
-                           cfg.cache_dir, shard_cache(cfg), IoPolicy.of(cfg), cfg.shuffle_shards)
+    dataset = val_dataset(cfg, fs, root, split, on_bad_image or cfg.on_bad_image, interpolation)
     sampler = ShardSampler(len(dataset), rank, world_size, shuffle=False)
     return make_loader(dataset, sampler, cfg.batch_size, cfg.workers, cfg.prefetch_factor, pin_memory,
                        drop_last=False, seed=seed + 1000 * (rank + 1))
+
+
+def calibration_loader(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str, split: Split, rank: int,
+                       world_size: int, seed: int, pin_memory: bool, images: int,
+                       interpolation: str = "bilinear") -> DataLoader:
+    """This rank's equal share of a fixed, seeded sample of `images` train rows, at the val crop: what the
+    EMA's BatchNorm statistics are recomputed from (`EmaModel.recalibrate`). Equal shares, so that every
+    rank runs the same batches (SyncBatchNorm gathers in each). A sharded split's sample comes from its
+    first `shuffle_shards` shards: a remote one is read a window at a time, not a shard per image. Read
+    in the rank's own process, once (the trainer keeps the batches)."""
+    dataset = val_dataset(cfg, fs, root, split, cfg.on_bad_image, interpolation)
+    rows = len(split) if split.starts is None else int(split.starts[min(cfg.shuffle_shards,
+                                                                        len(split.starts) - 1)])
+    taken = min(images, rows) // world_size * world_size
+    draw = torch.Generator().manual_seed(derived_seed(seed, stream=CALIBRATION))
+    order = torch.randperm(rows, generator=draw)
+    return DataLoader(dataset, batch_size=cfg.batch_size, sampler=order[:taken][rank::world_size].tolist(),
+                      pin_memory=pin_memory, collate_fn=collate)
+
+
+def val_dataset(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str, split: Split, on_bad_image: str,
+                interpolation: str) -> ImageDataset:
+    """`split` as validation sees it: resized, centre-cropped to the val crop."""
+    transform = ValTransform(cfg.val_image_size or cfg.image_size, cfg.val_resize,
+                             cfg.val_interpolation or interpolation)
+    return ImageDataset(fs, root, split, transform, on_bad_image, transform.size, cfg.cache_dir,
+                        shard_cache(cfg), IoPolicy.of(cfg), cfg.shuffle_shards)

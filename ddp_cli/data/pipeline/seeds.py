@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 MIXING = 1  # the stream of batch mixing's (seed, step) draws
+CALIBRATION = 4  # the EMA's BatchNorm sample (loaders.calibration_loader); semi.py's streams are 2 and 3
 
 
 def derived_seed(*keys: int, stream: int | None = None) -> int:
