@@ -350,12 +350,12 @@ class Trainer:
     def keep_ema_bn_of(self, trained_with: dict[str, Any]) -> None:
         """A run from before train.ema_bn_epochs (its checkpoint's config has no such key) goes on without
         recomputing its EMA's statistics, as it trained: a run's config.toml resumes to the same weights.
-        Its next checkpoints say so (0), for the resumes after this one."""
+        Its next checkpoints leave the key out too, so every later resume knows the run for what it is."""
         if not self.ema_bn_epochs or not trained_with or "ema_bn_epochs" in trained_with:
             return
         self.ema_bn_epochs = 0
         if "config" in self.checkpointer.meta:
-            self.checkpointer.meta["config"]["train"]["ema_bn_epochs"] = 0
+            self.checkpointer.meta["config"]["train"].pop("ema_bn_epochs", None)
         self.console.info("resuming a run from before train.ema_bn_epochs: its EMA's BatchNorm statistics "
                           "are not recomputed, as it trained")
 

@@ -172,14 +172,16 @@ def test_without_a_sample_or_an_ema_nothing_is_recalibrated(one_rank, tmp_path):
     ({"epochs": 8}, {"ema_bn_epochs": 1}, 0),      # before the key: off, whatever the config says now
 ])
 def test_a_run_from_before_the_key_resumes_as_it_trained(one_rank, tmp_path, trained_with, given, epochs):
-    """Its checkpoints from then on say so, so that the next resume keeps it too."""
+    """Its checkpoints from then on leave the key out too, so that every later resume keeps it off."""
     cfg = make_config({"data": {"batch_size": 2, "image_size": 32}, "train": {"epochs": 8, **given}})
     run = trainer(cfg, tmp_path, [batch(30)])
     run.checkpointer.meta = {"config": cfg.model_dump(mode="json")}
     run.keep_ema_bn_of(trained_with)
     assert run.ema_bn_epochs == epochs
-    if not epochs:
-        assert run.checkpointer.meta["config"]["train"]["ema_bn_epochs"] == 0
+    assert ("ema_bn_epochs" in run.checkpointer.meta["config"]["train"]) == bool(epochs)
+    again = trainer(cfg, tmp_path, [batch(30)])
+    again.keep_ema_bn_of(run.checkpointer.meta["config"]["train"])  # the next resume, from those checkpoints
+    assert again.ema_bn_epochs == epochs
 
 
 def rows_of(split, world: int, seed: int = 0, images: int = 8, **data) -> list[list[int]]:
@@ -220,3 +222,18 @@ def test_the_sample_is_read_at_the_val_crop(tmp_path):
                             calibration=6)
     assert [tuple(b.images.shape) for b in loaders.calibration] == [(4, 24, 24, 3), (2, 24, 24, 3)]
     assert build_loaders(cfg, fs, str(root), index, 0, 1, 0, False).calibration is None
+
+
+def test_resuming_a_checkpoint_from_before_the_key_turns_it_off(one_rank, tmp_path):
+    """Through `Trainer.resume`: the checkpoint's own config is what tells an old run."""
+    cfg = config(epochs=2, ema_bn_epochs=2)
+    run = trainer(cfg, tmp_path / "a", [batch(30)])
+    run.checkpointer.meta = {"config": cfg.model_dump(mode="json")}
+    run.fit()
+    state = torch.load(tmp_path / "a" / "last.pt", weights_only=True)
+    del state["config"]["train"]["ema_bn_epochs"]  # as a ddp from before the key wrote it
+    torch.save(state, tmp_path / "old.pt")
+    for path, epochs in ((tmp_path / "a" / "last.pt", 2), (tmp_path / "old.pt", 0)):
+        resumed = trainer(config(epochs=3, ema_bn_epochs=2), tmp_path / "b", [batch(30)])
+        resumed.resume(path)
+        assert resumed.ema_bn_epochs == epochs
