@@ -351,11 +351,13 @@ class Trainer:
         """A run from before train.ema_bn_epochs (its checkpoint's config has no such key) goes on without
         recomputing its EMA's statistics, as it trained: a run's config.toml resumes to the same weights.
         Its next checkpoints leave the key out too, so every later resume knows the run for what it is."""
-        if not self.ema_bn_epochs or not trained_with or "ema_bn_epochs" in trained_with:
+        if not trained_with or "ema_bn_epochs" in trained_with:
+            return
+        if "config" in self.checkpointer.meta:  # whatever this resume's config resolves it to
+            self.checkpointer.meta["config"]["train"].pop("ema_bn_epochs", None)
+        if not self.ema_bn_epochs:
             return
         self.ema_bn_epochs = 0
-        if "config" in self.checkpointer.meta:
-            self.checkpointer.meta["config"]["train"].pop("ema_bn_epochs", None)
         self.console.info("resuming a run from before train.ema_bn_epochs: its EMA's BatchNorm statistics "
                           "are not recomputed, as it trained")
 

@@ -170,6 +170,7 @@ def test_without_a_sample_or_an_ema_nothing_is_recalibrated(one_rank, tmp_path):
     ({"epochs": 8}, {}, 0),                        # a checkpoint from before the key: off
     ({"epochs": 8, "ema_bn_epochs": 4}, {}, 4),    # one that has it: as the config says ("auto": 4 here)
     ({"epochs": 8}, {"ema_bn_epochs": 1}, 0),      # before the key: off, whatever the config says now
+    ({"epochs": 8}, {"ema_bn_epochs": 0}, 0),      # off already: still marked, for a later resume that asks
 ])
 def test_a_run_from_before_the_key_resumes_as_it_trained(one_rank, tmp_path, trained_with, given, epochs):
     """Its checkpoints from then on leave the key out too, so that every later resume keeps it off."""
@@ -178,10 +179,12 @@ def test_a_run_from_before_the_key_resumes_as_it_trained(one_rank, tmp_path, tra
     run.checkpointer.meta = {"config": cfg.model_dump(mode="json")}
     run.keep_ema_bn_of(trained_with)
     assert run.ema_bn_epochs == epochs
-    assert ("ema_bn_epochs" in run.checkpointer.meta["config"]["train"]) == bool(epochs)
-    again = trainer(cfg, tmp_path, [batch(30)])
+    assert ("ema_bn_epochs" in run.checkpointer.meta["config"]["train"]) == ("ema_bn_epochs" in trained_with)
+    asks = make_config({"data": {"batch_size": 2, "image_size": 32},
+                        "train": {"epochs": 8, "ema_bn_epochs": 1}})
+    again = trainer(asks, tmp_path, [batch(30)])
     again.keep_ema_bn_of(run.checkpointer.meta["config"]["train"])  # the next resume, from those checkpoints
-    assert again.ema_bn_epochs == epochs
+    assert again.ema_bn_epochs == min(epochs, 1)
 
 
 def rows_of(split, world: int, seed: int = 0, images: int = 8, **data) -> list[list[int]]:
