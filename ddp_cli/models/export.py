@@ -245,9 +245,10 @@ def input_spec(trained: Trained, fmt: str) -> dict[str, Any]:
         "interpolation": trained.cfg.data.val_interpolation or trained.cfg.augment.interpolation,
         "antialias": True, "value_range": [0.0, 1.0],
         "mean": list(mean), "std": list(std),
-        "decode": "JPEGs at the coarsest DCT scale (1/8, 1/4, 1/2) that still covers the resized "
-                  "image, as PIL's image.draft('RGB', (ceil(width * s), ceil(height * s))) with "
-                  "s = resize / shorter side does; pixel values a little off a full decode",
+        "decode": "JPEGs at the coarsest DCT scale 1/k (k = 8, 4, 2) whose sides, ceil(side / k), "
+                  "still cover the resized image's, ceil(side * s) with s = resize / shorter side; in "
+                  "PIL, image.draft('RGB', (width // k, height // k)); pixel values a little off a "
+                  "full decode",
         "steps": "resize the shorter side to `resize` (`interpolation`, antialiased), centre-crop "
                  "image_size x image_size, scale to value_range (uint8 / 255), then (x - mean) / std "
                  "per channel",

@@ -79,7 +79,8 @@ def read(path: Path, spec: dict) -> Image.Image:
     """The image decoded as the card's `decode` says: a JPEG at a coarser DCT scale (PIL's draft)."""
     image = Image.open(path)
     s = spec["resize"] / min(image.size)
-    image.draft("RGB", (math.ceil(image.width * s), math.ceil(image.height * s)))
+    k = next(k for k in (8, 4, 2, 1) if all(-(-n // k) >= math.ceil(n * s) for n in image.size))
+    image.draft("RGB", (image.width // k, image.height // k))
     return image.convert("RGB")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import fsspec
 import numpy as np
@@ -281,3 +282,31 @@ def test_dct_scaling_off_decodes_every_image_whole(monkeypatch):
         torch.manual_seed(0)
         TrainTransform(32, dct_scaling=scaling)(img)
     assert asked[0] < (400, 300) and asked[1] == (400, 300)
+
+
+@pytest.mark.parametrize(("width", "height", "k"), [(61, 45, 2), (125, 93, 4), (333, 251, 8)])
+def test_pil_path_scales_jpegs_of_odd_sizes_as_libjpeg_turbo_does(width, height, k):
+    """A JPEG PIL decodes (CMYK here) is DCT-scaled by the same 1/k as the fast path, odd sides included:
+    PIL's draft asked for ceil(side / k) pixels took 375 // 188 = 1 for "1/2", and decoded whole."""
+    data = encode(Image.new("CMYK", (width, height), (0, 255, 255, 0)), "JPEG", quality=95)
+    img = open_image(data)
+    assert not img.fast
+    pixels, scale = decode(img, -(-width // k), -(-height // k))
+    assert tuple(pixels.shape) == (-(-height // k), -(-width // k), 3)
+    assert scale == pytest.approx(1 / k, rel=0.05)
+    assert (pixels.int() - torch.tensor((255, 0, 0))).abs().max() <= 3
+
+
+@pytest.mark.parametrize(("width", "height", "resize"), [(500, 375, 128), (500, 375, 47), (333, 251, 63),
+                                                          (1001, 667, 167)])
+def test_the_export_cards_pil_recipe_decodes_at_validations_scale(width, height, resize):
+    """docs/evaluation.md's recipe (the card's `decode`) reproduces ValTransform's decode, at the sizes
+    where asking PIL's draft for the resized size would decode a finer scale (all but the first)."""
+    data = encode(gradient(width, height), "JPEG", quality=90)
+    s = resize / min(width, height)
+    ours, _ = decode(open_image(data), math.ceil(width * s), math.ceil(height * s))
+    image = Image.open(io.BytesIO(data))
+    k = next(k for k in (8, 4, 2, 1) if all(-(-n // k) >= math.ceil(n * s) for n in image.size))
+    image.draft("RGB", (image.width // k, image.height // k))
+    theirs = torch.from_numpy(np.asarray(image.convert("RGB")).copy())
+    assert theirs.shape == ours.shape and (theirs.int() - ours.int()).abs().max() <= 1

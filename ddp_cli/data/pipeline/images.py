@@ -78,8 +78,8 @@ def decode(img: EncodedImage, min_width: int = 0, min_height: int = 0) -> tuple[
         except ValueError:
             pass  # a warning in strict mode; PIL decides whether it matters
     pil = _pil_open(img.data)
-    if pil.format == "JPEG" and k > 1:
-        pil.draft(None, (math.ceil(img.width / k), math.ceil(img.height / k)))
+    if pil.format == "JPEG" and k > 1:  # PIL takes 1/k for k up to side // asked: ask side // k, not ceil
+        pil.draft(None, (max(1, img.width // k), max(1, img.height // k)))
     try:
         pil.load()
         rgb = pil if pil.mode == "RGB" else pil.convert("RGB")
