@@ -466,8 +466,8 @@ class TrainConfig(Section):
     ema_bn_epochs: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="Before validating each of the first N epochs, recompute the EMA's BatchNorm "
         f"statistics from a fixed {EMA_BN_IMAGES} train images at the val crop (PreciseBN; 0 = never). "
-        "auto = the epochs that end within the EMA's horizon (1 / (1 - decay) steps) while progressive "
-        "resizing trains below its last crop (0 without either), written out in the run dir's config.toml.",
+        "auto = the epochs that end within the EMA's horizon (1 / (1 - decay) steps; 0 without an EMA), "
+        "written out in the run dir's config.toml.",
     )
 
     def ema_decay_at(self, steps_per_epoch: int) -> float:
@@ -727,25 +727,16 @@ class RunConfig(Section):
 
     def ema_bn_epochs_at(self, steps_per_epoch: int) -> int:
         """train.ema_bn_epochs made concrete for `steps_per_epoch`. "auto": the epochs that end within the
-        EMA's horizon and train below the last crop. Until the run is as old as the horizon, the EMA's
-        statistics still carry those of its first, fast-moving weights, gathered at smaller crops than
-        validation's; past it, an average over the horizon's batches beat a sample (docs/recipes.md)."""
+        EMA's horizon. Until the run is as old as the horizon, the EMA's statistics still carry those of its
+        first, fast-moving weights (and, with progressive resizing, of smaller crops than validation's);
+        past it, an average over the horizon's batches beat a sample (docs/recipes.md)."""
         train = self.train
         if train.ema_bn_epochs != "auto":
             return train.ema_bn_epochs
         decay = train.ema_decay_at(steps_per_epoch)
         if not decay:
             return 0
-        within = round(1 / (1 - decay)) // max(steps_per_epoch, 1)
-        return min(within, epochs_below_last_crop(self.data, train.epochs))
-
-
-def epochs_below_last_crop(data: DataConfig, epochs: int) -> int:
-    """How many of a run's first epochs train on a smaller crop than its last one (0 without progressive
-    resizing); the crops only grow, and are image_size past the ramp's end."""
-    last = data.train_size(epochs - 1)
-    ramp = range(min(epochs, math.ceil(data.ramp_epochs[1]) + 1))
-    return sum(data.train_size(epoch) < last for epoch in ramp)
+        return min(round(1 / (1 - decay)) // max(steps_per_epoch, 1), train.epochs)
 
 
 def given_keys(section: Any) -> dict[str, Any] | None:

@@ -342,26 +342,24 @@ def test_best_pt_follows_the_ema_by_default_and_the_trained_weights_without_one(
 
 
 @pytest.mark.parametrize(("sections", "steps", "epochs"), [
-    ({"data": {"image_size": 32}}, 22, 4),     # the demo: 100 steps hold 4 epochs, its 4 at 24 px
+    ({"data": {"image_size": 32}}, 22, 4),     # the demo: 100 steps hold 4 epochs
     ({"data": {"image_size": 32}}, 25, 4),     # an epoch ending on the horizon's last step is within it
     ({"data": {"image_size": 32}}, 26, 3),
-    ({"data": {"image_size": 112}}, 47, 2),    # the photos: 2 epochs within 100 steps (5 at 64 px)
-    ({"data": {"image_size": 32}, "train": {"epochs": 16}}, 5, 7),  # 20 epochs within; 24 px x7, then 32
+    ({"data": {"image_size": 112}}, 47, 2),    # the photos: 2 epochs within 100 steps
+    ({"data": {"image_size": 32}, "train": {"epochs": 16}}, 5, 16),  # 20 epochs within: all 16 of the run
     ({"data": {"image_size": 224}, "train": {"epochs": 90}}, 1250, 1),  # ImageNet at 1,024 a step
     ({"data": {"image_size": 112}, "train": {"ema_decay": 0.99}}, 101, 0),  # an epoch past the horizon
-    ({"data": {"image_size": 112}, "train": {"ema_decay": 0.999}}, 47, 5),  # 21 epochs within, 5 at 64 px
-    ({"data": {"image_size": 48}}, 22, 0),     # no progressive resizing by default at 48 px
-    ({"data": {"image_size": 112, "progressive": False}}, 22, 0),
+    ({"data": {"image_size": 112}, "train": {"ema_decay": 0.999}}, 47, 8),  # 21 epochs within: all 8
+    ({"data": {"image_size": 48}}, 22, 4),     # no progressive resizing by default at 48 px: the same rule
+    ({"data": {"image_size": 112, "progressive": False}}, 22, 4),
     ({"data": {"image_size": 112}, "train": {"ema_decay": 0}}, 22, 0),  # no EMA
     ({"data": {"image_size": 112}, "train": {"ema_bn_epochs": 3}}, 47, 3),  # given: kept
-    ({"data": {"image_size": 112, "min_image_size": 80, "ramp_epochs": [0, 2]}}, 22, 2),  # 80, 96, 112 x6
-    ({"data": {"image_size": 112, "min_image_size": 80, "ramp_epochs": [0, 2]}, "train": {"epochs": 3}},
-     22, 2),                                   # 80, 96, 112: the last epoch alone at the last crop
+    ({"data": {"image_size": 112}, "train": {"epochs": 3}}, 22, 3),  # 4 epochs within, of a run of 3
     ({"data": {"image_size": 32}, "train": {"epochs": 40, "ema_decay": 0.9}}, 1, 10),  # 10 one-step epochs
 ])
-def test_the_ema_statistics_are_recomputed_within_its_horizon_below_the_last_crop(sections, steps, epochs):
-    """train.ema_bn_epochs "auto": the epochs that end within the EMA's horizon (1 / (1 - decay) steps) and
-    train below the run's last crop; made concrete for the run's steps an epoch, and written out so."""
+def test_the_ema_statistics_are_recomputed_within_its_horizon(sections, steps, epochs):
+    """train.ema_bn_epochs "auto": the epochs that end within the EMA's horizon (1 / (1 - decay) steps), with
+    progressive resizing or without; made concrete for the run's steps an epoch, and written out so."""
     raw = {"train": {"epochs": 8}, **{k: v for k, v in sections.items() if k != "train"}}
     raw["train"].update(sections.get("train", {}))
     cfg = config_from_dict(raw)

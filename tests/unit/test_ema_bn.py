@@ -168,7 +168,7 @@ def test_without_a_sample_or_an_ema_nothing_is_recalibrated(one_rank, tmp_path):
 
 @pytest.mark.parametrize(("trained_with", "given", "epochs"), [
     ({"epochs": 8}, {}, 0),                        # a checkpoint from before the key: off
-    ({"epochs": 8, "ema_bn_epochs": 4}, {}, 4),    # one that has it: as the config says ("auto": 4 here)
+    ({"epochs": 8, "ema_bn_epochs": 4}, {}, 8),    # one that has it: as the config says ("auto": all 8 here)
     ({"epochs": 8}, {"ema_bn_epochs": 1}, 0),      # before the key: off, whatever the config says now
     ({"epochs": 8}, {"ema_bn_epochs": 0}, 0),      # off already: still marked, for a later resume that asks
 ])
