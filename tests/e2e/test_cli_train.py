@@ -39,7 +39,7 @@ def test_train_json_and_run_directory(trained):
     overrides = ["train.epochs=2", "train.max_steps_per_epoch=6", "data.workers=0",
                  'data.decode="cpu"',  # "auto" as preflight resolved it on CPU workers
                  "train.ema_decay=0.99",  # "auto" as resolved: 6 steps an epoch, so an average of 100
-                 "train.ema_bn_epochs=1"]  # "auto" as resolved: both epochs within it, the first at 24 px
+                 "train.ema_bn_epochs=2"]  # "auto" as resolved: both epochs end within its 100 steps
     expected = load_config(REPO / "configs/demo.toml", overrides)
     assert resolved == expected
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
