@@ -18,7 +18,7 @@ from typing import Any, Literal
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ddp_cli.config import describe_validation_error
+from ddp_cli.config.errors import describe_validation_error
 from ddp_cli.data.sources.csv_layout import CSV, CsvListing
 from ddp_cli.data.sources.layouts import KNOWN_LAYOUTS, LayoutOptions, infer_layout
 from ddp_cli.data.sources.parquet import PARQUET, ParquetOptions

@@ -66,7 +66,7 @@ def hidden_options(group, path: tuple[str, ...] = ("ddp",)):
 
 
 def config_reference() -> str:
-    from ddp_cli.config import reference_markdown
+    from ddp_cli.config.reference import reference_markdown
 
     return "\n".join([
         "# Run config reference",

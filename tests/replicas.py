@@ -18,6 +18,7 @@ from ddp_cli.models import build_model
 from ddp_cli.run.training import assert_identical_across_ranks
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
 from ddp_cli.train.trainer import Trainer
+from tests.resolved import resolved
 
 CLASSES = 3
 # fp32 NCHW: the equalities these replicas check are of fp32 arithmetic (ddp's default is bf16 where the
@@ -65,7 +66,8 @@ def make_trainer(rank: int, world_size: int, cfg: RunConfig, steps: int, folder:
     if not batchnorm:
         group_norm_for_batchnorm(model)
     store = CheckpointStore(Path(folder) / "checkpoints", cfg.checkpoint.keep_last)
-    trainer = Trainer(cfg, ctx, model, Loaders(None, [], None), steps, Checkpointer(store, writes=rank == 0))
+    trainer = Trainer(resolved(cfg, steps, ctx.world_size), ctx, model, Loaders(None, [], None), steps,
+                      Checkpointer(store, writes=rank == 0))
     trainer.model.eval()  # BatchNorm in eval: a sample's gradient does not depend on its batch-mates
     return trainer
 

@@ -34,7 +34,7 @@ from ddp_cli.run.bucket import RunBucket
 from ddp_cli.run.loopback import run_workers
 from ddp_cli.run.mirror import BucketMirror
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
-from ddp_cli.train.precision import resolve_precision
+from ddp_cli.train.precision import native_precision
 
 MODES = ("none", "foreground", "background", "s3")
 BUCKET = "ddp-bench-checkpoints"
@@ -80,7 +80,7 @@ def _checkpoint_worker(rank: int, world_size: int, spec: StepSpec, precision: st
 
 def bench_checkpoint(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
     """Seconds per normal step, per checkpointing step and per step after it, for each mode."""
-    precision = resolve_precision("auto", CPU)
+    precision = native_precision(CPU)
     spec = StepSpec(**{**spec.__dict__, "steps": spec.rounds * (NORMAL + 2)})  # the loader's length
     with loopback_s3() as s3:
         modes = MODES if s3 else MODES[:-1]

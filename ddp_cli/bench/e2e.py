@@ -28,11 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from statistics import median
 
 from ddp_cli.bench.data import machine
-from ddp_cli.config import RunConfig, load_config
+from ddp_cli.config import RunConfig, config_from_dict, load_config
 from ddp_cli.errors import DataError
 from ddp_cli.registry import find_registry, load_registry
 from ddp_cli.run.launch import LaunchOptions, resolve_nproc
@@ -78,17 +79,16 @@ def run_ddp(config: Path, registry: Path, cfg: RunConfig, run_dir: Path, target:
                             str(registry), "--run-dir", str(run_dir), "--resume", "never",
                             "--set", f"train.epochs={cfg.train.epochs}", "--json", "--quiet"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    judged = "val_ema" if cfg.checkpoint.best_metric == "ema_top1" else "val"  # what the run gives the user
+    ran = config_from_dict(tomllib.loads((run_dir / "config.toml").read_text()))  # resolved, as it ran
+    judged = "val_ema" if ran.checkpoint.best_metric == "ema_top1" else "val"  # what the run gives the user
     curve = [r for r in records if r.get("split") == judged]
     return {**outcome("ddp", started, curve, target),
             "precision": json.loads(out.strip().splitlines()[-1])["precision"]}
 
 
 def loader_processes(config: Path, registry: Path, cfg: RunConfig) -> int:
-    """data.workers as ddp's run has it: "auto" made a number by its dry run, for the baseline to load
-    with as many processes."""
-    if cfg.data.workers != "auto":
-        return cfg.data.workers
+    """data.workers as ddp's run has it (resolved by its dry run), for the baseline to load with as many
+    processes."""
     _, out = run_timed([sys.executable, "-m", "ddp_cli", "train", str(config), "--registry", str(registry),
                         "--set", f"train.epochs={cfg.train.epochs}", "--dry-run", "--json"])
     return json.loads(out.strip().splitlines()[-1])["data_workers"]["workers"]

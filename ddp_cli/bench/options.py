@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ddp_cli.bench.step import CPU, StepSpec, step_header, time_ddp
 from ddp_cli.run.loopback import run_workers
-from ddp_cli.train.precision import resolve_precision
+from ddp_cli.train.precision import native_precision
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "defaults": (),
@@ -37,7 +37,7 @@ def _options_worker(rank: int, world_size: int, spec: StepSpec, precision: str,
 def bench_options(spec: StepSpec, world_size: int = 2, threads: int = 1,
                   names: list[str] | None = None) -> dict:
     names = names or list(VARIANTS)
-    precision = resolve_precision("auto", CPU)
+    precision = native_precision(CPU)
     seconds = run_workers(_options_worker, world_size, spec, precision, names, threads=threads)[0]
     images = spec.rounds * spec.steps * spec.batch_size * world_size
     rate = {name: images / s for name, s in seconds.items()}

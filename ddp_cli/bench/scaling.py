@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ddp_cli.bench.step import CPU, StepSpec, breakdown, step_header, time_ddp
 from ddp_cli.run.loopback import run_workers
-from ddp_cli.train.precision import resolve_precision
+from ddp_cli.train.precision import native_precision
 
 
 def _scaling_worker(rank: int, world_size: int, spec: StepSpec, precision: str,
@@ -28,7 +28,7 @@ def bench_scaling(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict
     The two alternate over `spec.rounds` (fresh workers each time), so background
     load on the machine hits both alike; the breakdown is taken in the last round.
     """
-    precision = resolve_precision("auto", CPU)
+    precision = native_precision(CPU)
     worlds = (1, world_size)
     seconds, parts = dict.fromkeys(worlds, 0.0), None
     for r in range(spec.rounds):

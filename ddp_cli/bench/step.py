@@ -55,15 +55,17 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_cli.bench.data import machine
 from ddp_cli.config import ModelConfig, RunConfig, apply_override
+from ddp_cli.config.resolve import Facts, resolve
 from ddp_cli.data.pipeline.loaders import Loaders, collate
 from ddp_cli.data.pipeline.transforms import MEAN, STD
 from ddp_cli.distributed.setup import DistContext
+from ddp_cli.models.families import takes_any_size
 from ddp_cli.models.zoo import build_model, count_parameters
 from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.mixing import loss_function
 from ddp_cli.train.optim import build_optimizer
-from ddp_cli.train.precision import AUTOCAST, autocast, resolve_precision
+from ddp_cli.train.precision import AUTOCAST, autocast, native_precision
 from ddp_cli.train.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -155,7 +157,9 @@ def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
     torch.manual_seed(0)
     model = build_model(cfg.model, spec.classes, spec.image_size)
     train = loader(spec, as_float=False)
-    return Trainer(cfg, ctx, model, Loaders(train, None, None), len(train), checkpointer)
+    facts = Facts(device.type, native_precision(device), world, len(train), takes_any_size(spec.model),
+                  loader_workers=spec.loader_workers)
+    return Trainer(resolve(cfg, facts), ctx, model, Loaders(train, None, None), len(train), checkpointer)
 
 
 def ddp_step(spec: StepSpec, precision: str, channels_last: bool,
@@ -392,7 +396,7 @@ def step_header(bench: str, spec: StepSpec, world_size: int, threads: int) -> di
 def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
     """Run the variants in `world_size` workers of `threads` threads each (gloo; NCCL on CUDA, a GPU
     each); the shared bench dict."""
-    fast = resolve_precision("auto", torch.device(spec.device))
+    fast = native_precision(torch.device(spec.device))
     backend = "nccl" if spec.device == "cuda" else "gloo"
     out = run_workers(_step_worker, world_size, spec, fast, threads=threads, backend=backend)[0]
     rate = {(r["loop"], r["precision"], r["channels_last"]): r["images_per_second"] for r in out["rows"]}

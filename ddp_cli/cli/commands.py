@@ -37,6 +37,7 @@ from ddp_cli.data.sources.table import UNLABELED, IndexTable
 from ddp_cli.errors import INTERNAL, PEER_LOST, ConfigError, DataError, DdpError, PeerLost, WorkerFailed
 from ddp_cli.index_build import IndexBuild, resolve_dataset
 from ddp_cli.io import writing
+from ddp_cli.models.user_model import with_located_model
 from ddp_cli.observe import classes
 from ddp_cli.observe.report import classes_png, plot, summarize
 from ddp_cli.observe.startup import StartupClock
@@ -46,7 +47,7 @@ from ddp_cli.run.jobs import Job, prepare_job, read_result
 from ddp_cli.userfiles import user_path
 
 if TYPE_CHECKING:
-    from ddp_cli.cli.preflight import Preflight
+    from ddp_cli.preflight import Preflight
     from ddp_cli.run.launch import LaunchOptions
     from ddp_cli.train.checkpoint_model import Trained
 
@@ -88,7 +89,7 @@ def indexed(config: Path, overrides: list[str],
     (under an external torchrun only rank 0 needs it; a Kubeflow pod's RANK counts pods: each needs it)."""
     from ddp_cli.run.schedulers import under_agent
 
-    cfg = load_config(config, overrides)
+    cfg = with_located_model(load_config(config, overrides), config)
     fork = not under_agent(os.environ) or os.environ.get("RANK", "0") == "0"
     with IndexBuild.begin(cfg, registry, fork=fork) as build:
         yield cfg, build
@@ -143,7 +144,7 @@ def default_run_dir(cfg: RunConfig) -> Path:
 def prepare_run(run: Preflight, run_dir: Path | str | None, quiet: bool) -> Path:
     """The run directory, holding everything the workers need (`jobs.prepare_job`); for a run dir in a
     bucket, its staging folder, emptied and filled from the bucket (`pull.stage`)."""
-    from ddp_cli.cli.preflight import warn_if_disk_short
+    from ddp_cli.preflight import warn_if_disk_short
 
     bucket = bucket_of(run_dir)
     if bucket:
@@ -191,8 +192,8 @@ def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | Non
                     resume: str, quiet: bool) -> dict[str, Any]:
     """Check, hand off, launch; the result with where start-up time went (`StartupClock`). The index
     builds beside (`build`): meanwhile this process imports what building the model needs."""
-    from ddp_cli.cli.preflight import launch_workers, preflight
     from ddp_cli.models.zoo import import_builders
+    from ddp_cli.preflight import launch_workers, preflight
     from ddp_cli.run.launch import external_launcher, launch, single_threaded
 
     import_builders(cfg.model.name)
@@ -264,8 +265,8 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str 
     """Started by an external torchrun: rank 0 checks and prepares the run dir, every rank trains."""
     import torch.distributed as dist
 
-    from ddp_cli.cli.preflight import joined_workers, preflight
     from ddp_cli.distributed.setup import setup
+    from ddp_cli.preflight import joined_workers, preflight
     from ddp_cli.run.worker import run_job
 
     ctx = setup(cfg.distributed.backend, cfg.distributed.timeout_s)
@@ -294,7 +295,7 @@ def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) ->
     """--dry-run: the checks `train` makes before starting workers, the plan they computed, and the
     scheduler whose variables filled the launch (`schedulers`: which, and each variable read)."""
     from ddp_cli.cli.plan import describe
-    from ddp_cli.cli.preflight import launch_workers, preflight
+    from ddp_cli.preflight import launch_workers, preflight
     from ddp_cli.run.schedulers import recognise
 
     return {**describe(preflight(cfg, build, launch_workers(cfg, opts), resume)),
@@ -305,21 +306,22 @@ def validate(job: Job, config: Path | None, dataset: str | None, registry: str |
              nproc_per_node: int, batch_size: int | None, precision: str | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint on the whole val split with any number of workers; the CSV files and the
     run's evaluation file (with --per-class) are written by rank 0."""
-    from ddp_cli.cli.preflight import choose_node_loaders, validation_workers
+    from ddp_cli.preflight import resolved_for_inference, validation_workers
     from ddp_cli.run.launch import LaunchOptions, single_threaded
     from ddp_cli.train.checkpoint_model import load_trained, warn_if_changed
 
     opts = LaunchOptions(nproc_per_node)
     single_threaded()
     given, job.checkpoint = job.checkpoint, local_checkpoint(job.checkpoint)
-    trained = load_trained(job.checkpoint, job.weights, load_config(config) if config else None)
+    trained = load_trained(job.checkpoint, job.weights,
+                           with_located_model(load_config(config), config) if config else None)
     job.weights = trained.weights  # "auto" made concrete: what the workers load and the files are named by
     warn_if_changed(trained.cfg.model, trained.path)
     cfg = inference_config(trained, batch_size, dataset, precision)
     workers, model = validation_workers(cfg, len(trained.classes), opts)
     stored = None if dataset or registry else DatasetEntry.model_validate(trained.dataset)
     entry, index = resolve_dataset(cfg, registry, trained.classes, ("val",), stored)
-    cfg = cfg.resolved(choose_node_loaders(cfg, workers, entry, index, model, "val").settings())
+    cfg = resolved_for_inference(cfg, workers, entry, index, model, "val")
     job.checkpoint = str(Path(job.checkpoint).resolve())
     job.confusion, job.predictions = writable(job.confusion, "--confusion"), writable(job.predictions,
                                                                                     "--predictions")
@@ -430,7 +432,7 @@ def predict(job: Job, inputs: list[str], dataset: str | None, split: str, regist
             precision: str | None = None) -> list[dict[str, Any]]:
     """Top-k classes for every input image (files, folders, S3 objects or a data set split), in order;
     a bad image is an entry with its error."""
-    from ddp_cli.cli.preflight import choose_node_loaders, validation_workers
+    from ddp_cli.preflight import resolved_for_inference, validation_workers
     from ddp_cli.run.launch import LaunchOptions, single_threaded
     from ddp_cli.train.checkpoint_model import load_trained, warn_if_changed
 
@@ -443,7 +445,7 @@ def predict(job: Job, inputs: list[str], dataset: str | None, split: str, regist
     cfg = inference_config(trained, batch_size, dataset, precision)
     workers, model = validation_workers(cfg, len(trained.classes), opts)
     entry, index = predict_inputs(cfg, trained, inputs, dataset, split, registry)
-    cfg = cfg.resolved(choose_node_loaders(cfg, workers, entry, index, model, "val").settings())
+    cfg = resolved_for_inference(cfg, workers, entry, index, model, "val")
     job.checkpoint = str(Path(job.checkpoint).resolve())
     result = run_inference(job, cfg, entry, index, workers.nproc, opts, keep="predictions.jsonl")
     return [json.loads(line) for line in result["predictions.jsonl"].splitlines()]
@@ -540,7 +542,7 @@ def env() -> dict[str, Any]:
 def auto_choices() -> dict[str, Any]:
     """What `ddp train` with `precision`, `backend` and `nproc_per_node` "auto" (and no flags) starts
     here, through the function it calls (`launch_workers`), so the two agree by construction."""
-    from ddp_cli.cli.preflight import launch_workers
+    from ddp_cli.preflight import launch_workers
     from ddp_cli.run.launch import LaunchOptions, with_environment
 
     cfg = RunConfig(train=TrainConfig(precision="auto"))  # distributed.* are "auto" by default
@@ -549,7 +551,7 @@ def auto_choices() -> dict[str, Any]:
     except ConfigError as e:  # e.g. SLURM promising more GPUs than this node shows
         return {"precision_auto": None, "backend_auto": None, "nproc_per_node_auto": None,
                 "auto_refused": str(e)}
-    return {"precision_auto": workers.precision, "backend_auto": workers.backend,
+    return {"precision_auto": workers.native_precision, "backend_auto": workers.backend,
             "nproc_per_node_auto": workers.nproc}
 
 
@@ -597,7 +599,7 @@ def config_show(config: Path, overrides: list[str], fmt: str) -> str:
     if fmt not in ("toml", "json"):
         raise ConfigError(f"--format {fmt}: use toml or json")
     source = " ".join([str(config), *(f"--set {item}" for item in overrides)])
-    return render(load_config(config, overrides), fmt, source)
+    return render(with_located_model(load_config(config, overrides), config), fmt, source)
 
 
 def config_schema() -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddp_cli.cli.preflight import Preflight
 from ddp_cli.config import AugmentConfig, RunConfig
 from ddp_cli.data.pipeline.augment import op_names
 from ddp_cli.data.pipeline.transforms import normalising
@@ -12,6 +11,7 @@ from ddp_cli.data.pipeline.views import view_names
 from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.reduce import powersgd_warmup
 from ddp_cli.models.zoo import count_parameters, is_timm_pretrained
+from ddp_cli.preflight import Preflight
 from ddp_cli.train.optim import param_groups
 from ddp_cli.train.schedules import lr_factor, warmup_steps
 
@@ -80,7 +80,7 @@ def recipe(cfg: RunConfig) -> dict[str, Any]:
         "label_smoothing": cfg.optim.label_smoothing,
         "progressive_resizing": data.train_size(0) < data.image_size,
         "test_above_train_size": (data.val_image_size or data.image_size) > data.image_size,
-        "ema": cfg.train.ema_decay != 0,  # "auto" is on
+        "ema": cfg.train.ema_decay != 0,
         "ema_bn_epochs": cfg.train.ema_bn_epochs,
     }
 
@@ -166,7 +166,7 @@ def describe(run: Preflight) -> dict[str, Any]:
         "val_preprocessing": val_preprocessing(cfg),
         **({"weights_data_config": found} if (found := weights_data_config(cfg)) else {}),
         "data_workers": run.loaders.as_dict(),  # loader processes and prefetch per worker, and why
-        "precision": workers.precision,  # "auto" resolved for this node's devices
+        "precision": cfg.train.precision,
         "channels_last": cfg.model.channels_last,
         "compile": cfg.train.compile,
         "ema_decay": cfg.train.ema_decay,

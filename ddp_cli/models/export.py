@@ -25,12 +25,10 @@ import torch
 from torch import nn
 
 from ddp_cli import __version__
+from ddp_cli.config.model_names import is_timm_model, is_user_model, parse_timm
 from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.errors import ConfigError, require_extra
 from ddp_cli.io import atomic_write, write_text
-from ddp_cli.models.timm_model import is_timm_model
-from ddp_cli.models.timm_model import parse as parse_timm
-from ddp_cli.models.user_model import is_user_model
 from ddp_cli.models.zoo import TINY, builder_kwargs, first_line
 from ddp_cli.train.checkpoint import read_manifest
 from ddp_cli.train.checkpoint_model import Trained, load_trained, warn_if_changed

@@ -3,8 +3,7 @@ names take one input size only, and which take any (so that the config's recipe 
 
 from __future__ import annotations
 
-from ddp_cli.models.timm_model import is_timm_model
-from ddp_cli.models.user_model import is_user_model
+from ddp_cli.config.model_names import is_timm_model, is_user_model
 
 TINY = "resnet_tiny"
 

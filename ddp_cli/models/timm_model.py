@@ -17,30 +17,18 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp_cli.config.model_names import TIMM_PREFIX as PREFIX
+from ddp_cli.config.model_names import TimmName
+from ddp_cli.config.model_names import parse_timm as parse
 from ddp_cli.errors import ConfigError, DataError, did_you_mean, require_extra
 
-PREFIX = "timm/"
 PRETRAINED = "pretrained"  # model.weights: the tag's weights, from the local hub cache
-NAME = re.compile(r"timm/(?P<arch>[A-Za-z0-9_]+)(?:\.(?P<tag>[A-Za-z0-9_-]+))?")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # what timm reads from a hub repo, in its order
-
-
-@dataclass(frozen=True)
-class TimmName:
-    architecture: str
-    tag: str | None
-
-    @property
-    def timm_name(self) -> str:
-        """The name timm's `create_model` takes: "arch" or "arch.tag"."""
-        return f"{self.architecture}.{self.tag}" if self.tag else self.architecture
 
 
 @dataclass(frozen=True)
@@ -49,19 +37,6 @@ class CachedWeights:
     snapshot: Path  # <cache>/models--timm--resnet50.a1_in1k/snapshots/<revision>
     file: Path  # the weights in it
     revision: str
-
-
-def is_timm_model(name: str) -> bool:
-    return name.startswith(PREFIX)
-
-
-def parse(name: str) -> TimmName:
-    """`timm/<architecture>[.<tag>]` split; anything else is a ConfigError showing the form."""
-    match = NAME.fullmatch(name)
-    if match is None:
-        raise ConfigError(f"model.name: {name!r} is not a timm model name; give \"timm/<architecture>\" or "
-                          "\"timm/<architecture>.<pretrained tag>\", e.g. \"timm/resnet50.a1_in1k\"")
-    return TimmName(match["arch"], match["tag"])
 
 
 def import_timm(name: str) -> Any:
@@ -149,26 +124,6 @@ def data_config(weights: CachedWeights) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise DataError(f"model.weights: {path}: unreadable ({e}); fetch the weights again") from e
     return cfg if isinstance(cfg, dict) else {}
-
-
-def data_settings(found: dict[str, Any], given: set[str], val_size: int) -> dict[str, Any]:
-    """The `data.*` keys the weights' data config sets: those the run config leaves unset (`given` holds
-    the keys it sets). The input size becomes the val crop only when neither data.image_size nor
-    data.val_image_size is given; the val resize is the val crop (`val_size` otherwise) over crop_pct
-    (timm's eval transform)."""
-    out: dict[str, Any] = {}
-    for key in ("mean", "std"):
-        if f"data.{key}" not in given and isinstance(found.get(key), list | tuple) and len(found[key]) == 3:
-            out[f"data.{key}"] = [float(v) for v in found[key]]
-    if "data.val_interpolation" not in given and found.get("interpolation") in ("bilinear", "bicubic"):
-        out["data.val_interpolation"] = found["interpolation"]
-    size = val_size
-    input_size = found.get("input_size")
-    if not given & {"data.image_size", "data.val_image_size"} and isinstance(input_size, list | tuple):
-        size = out["data.val_image_size"] = int(input_size[-1])
-    if "data.val_resize" not in given and isinstance(found.get("crop_pct"), int | float):
-        out["data.val_resize"] = math.floor(size / found["crop_pct"])
-    return out
 
 
 def build(name: str) -> Any:

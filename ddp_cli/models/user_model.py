@@ -18,43 +18,17 @@ import importlib
 import importlib.machinery
 import importlib.util
 import inspect
-import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp_cli.config import RunConfig
+from ddp_cli.config.model_names import is_user_model
+from ddp_cli.config.model_names import parse_reference as parse
 from ddp_cli.errors import ConfigError, did_you_mean
 from ddp_cli.io import sha256_of
 from ddp_cli.userfiles import user_path
-
-REFERENCE = re.compile(r"(?P<target>[^:]+):(?P<factory>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
-MODULE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
-
-
-@dataclass(frozen=True)
-class Reference:
-    target: str  # a dotted module, or a .py file
-    factory: str  # a dotted attribute of it
-
-    @property
-    def is_file(self) -> bool:
-        return self.target.endswith(".py")
-
-
-def is_user_model(name: str) -> bool:
-    """`name` names a factory (it has a colon), not a model of the zoo."""
-    return ":" in name
-
-
-def parse(name: str) -> Reference:
-    """`name` as module-or-file and factory; a malformed one is a ConfigError saying the two forms."""
-    match = REFERENCE.fullmatch(name)
-    if match is None or not (match["target"].endswith(".py") or MODULE.fullmatch(match["target"])):
-        raise ConfigError(f"model.name: {name!r} is not a model reference; give \"package.module:factory\" "
-                          "or \"path/to/file.py:factory\" (relative to the run config's folder)")
-    return Reference(match["target"], match["factory"])
 
 
 def locate(name: str, folder: Path) -> tuple[str, dict[str, str | None]]:
@@ -73,6 +47,19 @@ def locate(name: str, folder: Path) -> tuple[str, dict[str, str | None]]:
         if importlib.machinery.PathFinder.find_spec(top, [str(root)]) is not None:
             return name, {"root": str(root), "sha256": None}
     return name, {"root": None, "sha256": None}
+
+
+def with_located_model(cfg: RunConfig, config: Path) -> RunConfig:
+    """`cfg`, read from the file `config`, with a model of the user's own located from that file's folder
+    (`locate`): every process that builds it later, wherever it starts, imports it from there, and
+    validate, predict and export know the file's sha256. Any other model: `cfg` as it is."""
+    if not is_user_model(cfg.model.name):
+        return cfg
+    try:
+        name, source = locate(cfg.model.name, Path(config).parent)
+    except ConfigError as e:  # the model's file: named with the config that names it
+        raise ConfigError(f"{config}: {e}") from e
+    return cfg.resolved({"model.name": name, "model.source": source})
 
 
 def changed(name: str, sha256: str | None) -> str | None:

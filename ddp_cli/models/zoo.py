@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
+from ddp_cli.config.model_names import is_timm_model
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 from ddp_cli.io import is_checkpoint, load_plain
 from ddp_cli.models.families import TINY, fixed_size
-from ddp_cli.models.timm_model import PRETRAINED, build_pretrained, cached_weights, import_timm, is_timm_model
+from ddp_cli.models.timm_model import PRETRAINED, build_pretrained, cached_weights, import_timm
 from ddp_cli.models.timm_model import build as timm_builder
 from ddp_cli.models.tweaks import add_blurpool, zero_init_residual
 from ddp_cli.models.user_model import call, factory, is_user_model

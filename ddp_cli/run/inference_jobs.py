@@ -22,7 +22,7 @@ from ddp_cli.train.checkpoint_model import load_trained
 from ddp_cli.train.eval_outputs import evaluation_record, write_confusion, write_evaluation, write_predictions
 from ddp_cli.train.inference import evaluate, predict
 from ddp_cli.train.metrics import EvalTotals
-from ddp_cli.train.precision import resolve_precision
+from ddp_cli.train.precision import check_precision
 
 
 def inference_setup(cfg: RunConfig, ctx: DistContext, job: Job) -> tuple[nn.Module, str]:
@@ -30,7 +30,8 @@ def inference_setup(cfg: RunConfig, ctx: DistContext, job: Job) -> tuple[nn.Modu
     model = load_trained(job.checkpoint, job.weights, cfg).build()
     model.to(ctx.device, memory_format=torch.channels_last if cfg.model.channels_last
              else torch.preserve_format)
-    return model, resolve_precision(cfg.train.precision, ctx.device)
+    check_precision(cfg.train.precision, ctx.device)
+    return model, cfg.train.precision
 
 
 def validate_job(cfg: RunConfig, ctx: DistContext, entry: DatasetEntry, index: IndexTable,

@@ -93,8 +93,17 @@ def migrate(state: dict[str, Any], path: str | Path = "checkpoint") -> dict[str,
         state["world_sizes"] = [world]
     if version < 3 and "classes" in state:  # 2 -> 3: class descriptions (the synsets where none were)
         state["descriptions"] = list(state["classes"])
+    config = state.get("config")
+    if trained and isinstance(config, dict) and "ema_bn_epochs" not in config.get("train", {}):
+        state["config"] = trained_without_ema_bn(config)  # not a version: the key came within version 3
     state["format_version"] = FORMAT_VERSION
     return state
+
+
+def trained_without_ema_bn(config: dict[str, Any]) -> dict[str, Any]:
+    """The config of a run from before train.ema_bn_epochs, saying how it trained: without recomputing its
+    EMA's BatchNorm statistics (0), which a resume then keeps (`config.resolve.resume`)."""
+    return {**config, "train": {**config.get("train", {}), "ema_bn_epochs": 0}}
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -67,13 +67,15 @@ def runs_natively(precision: str, device: torch.device) -> bool:
     return precision == "fp32" or (precision == "fp16" and device.type == "cuda")
 
 
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """The precision a worker on `device` trains in: "auto" made concrete, fp16 checked."""
-    if requested == "auto":
-        return "bf16" if native_bf16(device) else "fp32"
-    if requested == "fp16" and device.type != "cuda":
+def native_precision(device: torch.device) -> str:
+    """What train.precision "auto" means on `device`: bf16 where it is native, else fp32."""
+    return "bf16" if native_bf16(device) else "fp32"
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    """fp16 trains with a GradScaler, which needs CUDA."""
+    if precision == "fp16" and device.type != "cuda":
         raise ConfigError('train.precision: fp16 needs CUDA (GradScaler); use "bf16" or "auto" on CPU')
-    return requested
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:

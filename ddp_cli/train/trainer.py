@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig, TrainConfig, config_from_dict
+from ddp_cli.config.resolve import require_resolved, resume
 from ddp_cli.data.fetch.retry import retries_so_far
 from ddp_cli.data.pipeline.loaders import Batch, Loaders, skipped_files
 from ddp_cli.data.pipeline.transforms import normalising, to_model_input
@@ -43,7 +44,7 @@ from ddp_cli.train.inference import evaluate_each, raise_bad_images
 from ddp_cli.train.metrics import EvalTotals
 from ddp_cli.train.objectives import Micro, build_objective
 from ddp_cli.train.optim import build_optimizer
-from ddp_cli.train.precision import autocast, grad_scaler, resolve_precision
+from ddp_cli.train.precision import autocast, grad_scaler
 from ddp_cli.train.schedules import build_scheduler, resume_schedule
 
 log = logging.getLogger("ddp")
@@ -79,7 +80,8 @@ class Trainer:
                  steps_per_epoch: int, checkpointer: Checkpointer | None = None,
                  metrics: Sink | None = None, console: RunConsole | None = None,
                  startup: StartupClock | None = None) -> None:
-        self.precision = resolve_precision(cfg.train.precision, ctx.device)
+        require_resolved(cfg, "the Trainer")
+        self.precision = cfg.train.precision
         self.cfg, self.ctx, self.loaders, self.steps_per_epoch = cfg, ctx, loaders, steps_per_epoch
         self.metrics, self.console = metrics, console or RunConsole(False)
         self.startup = startup or StartupClock()
@@ -87,9 +89,8 @@ class Trainer:
         self.global_batch = cfg.global_batch(ctx.world_size)
         model = place(model, cfg.model, ctx.device)
         train = cfg.train
-        decay = train.ema_decay_at(steps_per_epoch)  # "auto" as preflight resolves it (a Trainer built bare)
-        self.ema = EmaModel(model, decay, train.ema_every_steps) if decay else None
-        self.ema_bn_epochs = cfg.ema_bn_epochs_at(steps_per_epoch) if self.ema and loaders.calibration else 0
+        self.ema = EmaModel(model, train.ema_decay, train.ema_every_steps) if train.ema_decay else None
+        self.ema_bn_epochs = train.ema_bn_epochs if self.ema and loaders.calibration else 0
         self.ema_bn_sample: list[Batch] | None = None  # its batches, read at the first recalibration
         self.model = replicate(model, cfg.distributed, ctx.device, steps_per_epoch * cfg.train.epochs)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
@@ -336,30 +337,31 @@ class Trainer:
         follow the new global batch (`follow_world_size`)."""
         saved = self.checkpointer.load(path)  # in the current format, whatever version wrote it
         self.objective.load_state_dict(self.state.state_dict())  # its fields of the run's progress
-        if self.ctx.is_main and "config" in saved:  # the model file it was trained from, edited since?
-            warn_if_changed(config_from_dict(saved["config"], str(path)).model, path)
+        if "config" in saved:
+            trained = config_from_dict(saved["config"], str(path))
+            if self.ctx.is_main:  # the model file it was trained from, edited since?
+                warn_if_changed(trained.model, path)
+            self.follow_trained(trained)
         if self.ema and saved.get("ema") is None:  # the run had no EMA so far: average from here on
             self.ema.restart(self.model.module)
-        self.keep_ema_bn_of(saved.get("config", {}).get("train", {}))
         saved_world, saved_batch = len(saved["rng"]), self.state.global_batch
         if (saved_world, saved_batch) != (self.ctx.world_size, self.global_batch):
             self.follow_world_size(path, saved_world, saved_batch)
         self.state.global_batch = self.global_batch
         self.state.world_sizes.append(self.ctx.world_size)
 
-    def keep_ema_bn_of(self, trained_with: dict[str, Any]) -> None:
-        """A run from before train.ema_bn_epochs (its checkpoint's config has no such key) goes on without
-        recomputing its EMA's statistics, as it trained: a run's config.toml resumes to the same weights.
-        Its next checkpoints leave the key out too, so every later resume knows the run for what it is."""
-        if not trained_with or "ema_bn_epochs" in trained_with:
+    def follow_trained(self, trained: RunConfig) -> None:
+        """The run's config reconciled with the one its checkpoint trained with (`config.resolve.resume`),
+        and written as such into the next checkpoints."""
+        cfg = resume(self.cfg, trained)
+        if cfg == self.cfg:
             return
-        if "config" in self.checkpointer.meta:  # whatever this resume's config resolves it to
-            self.checkpointer.meta["config"]["train"].pop("ema_bn_epochs", None)
-        if not self.ema_bn_epochs:
-            return
-        self.ema_bn_epochs = 0
-        self.console.info("resuming a run from before train.ema_bn_epochs: its EMA's BatchNorm statistics "
-                          "are not recomputed, as it trained")
+        self.cfg = cfg
+        self.checkpointer.meta["config"] = cfg.model_dump(mode="json")
+        if self.ema_bn_epochs and not cfg.train.ema_bn_epochs:
+            self.ema_bn_epochs = 0
+            self.console.info("resuming a run that trained without train.ema_bn_epochs: its EMA's BatchNorm "
+                              "statistics are not recomputed, as it trained")
 
     def follow_world_size(self, path: str | Path, saved_world: int, saved_batch: int) -> None:
         """Resume a checkpoint written at another world size (a node lost or added).

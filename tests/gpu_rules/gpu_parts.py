@@ -17,6 +17,7 @@ from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.objectives import Micro
 from ddp_cli.train.trainer import Trainer
 from gpu_rules.node import RANK, WORLD
+from tests.resolved import resolved
 
 SIZE, IMAGES, BATCH = 8, 32, 2  # 32 images: 2 per rank and step, 2 steps an epoch; val: 4 per rank
 
@@ -60,7 +61,7 @@ def gpu_trainer(cfg: RunConfig, checkpointer: Checkpointer | None = None) -> Tra
     """A Trainer as a worker on cuda:3 builds one: the device bound first (`choose_device`)."""
     seed_everything(cfg.seed)
     ctx = DistContext(RANK, WORLD, RANK, WORLD, choose_device("nccl", RANK), "nccl")
-    return Trainer(cfg, ctx, tiny_net(), tiny_loaders(), 2, checkpointer)
+    return Trainer(resolved(cfg, 2, ctx.world_size, "cuda"), ctx, tiny_net(), tiny_loaders(), 2, checkpointer)
 
 
 def micro_batches(trainer: Trainer) -> list[Micro]:

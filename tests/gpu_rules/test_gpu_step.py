@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from ddp_cli.data.pipeline.loaders import collate
 from gpu_rules.gpu_parts import TinyImages, gpu_config, gpu_trainer, micro_batches
 from gpu_rules.node import DEVICE
+from tests.resolved import resolved
 
 
 def step(gpu, trainer, steps: int = 1) -> None:
@@ -131,7 +132,8 @@ def test_a_fixmatch_step_with_an_ema_teacher_stays_on_the_gpu_and_reads_nothing(
     seed_everything(cfg.seed)
     ctx = DistContext(RANK, WORLD, RANK, WORLD, choose_device("nccl", RANK), "nccl")
     loaders = tiny_loaders()
-    trainer = Trainer(cfg, ctx, tiny_net(), replace(loaders, unlabelled=loaders.train), 2)  # FixMatch on
+    trainer = Trainer(resolved(cfg, 2, ctx.world_size, "cuda"), ctx, tiny_net(),
+                      replace(loaders, unlabelled=loaders.train), 2)  # FixMatch on
     labelled = [batch for (batch,) in micro_batches(trainer)]
     views = torch.randint(0, 256, (2 * len(labelled[0].labels), 2, 8, 8, 3), dtype=torch.uint8).pin_memory()
     unlabelled = Batch(views, torch.full((len(views),), -1, dtype=torch.long).pin_memory(),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ddp_cli.config import DataConfig, config_from_dict
-from ddp_cli.data.pipeline.autotune import choose_loaders, choose_prefetch, choose_workers
-from ddp_cli.data.sources.packed import Split
+from ddp_cli.config.resolve import prefetch_for
+from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_workers
 from ddp_cli.errors import ConfigError
 from ddp_cli.observe.startup import STARTUP_ENV, StartupClock
 
@@ -29,13 +29,16 @@ def test_cpu_ranks_give_decoding_its_share_of_the_cores():
 
 
 def test_prefetch_keeps_four_batches_queued_per_rank():
-    assert [choose_prefetch(w) for w in (0, 1, 2, 3, 8)] == [2, 4, 2, 2, 2]
+    assert [prefetch_for(w) for w in (0, 1, 2, 3, 8)] == [2, 4, 2, 2, 2]
 
 
 def test_numbers_as_set_are_kept_and_auto_is_accepted_where_ints_were():
-    none = Split.of([], [])
-    choice = choose_loaders(DataConfig(workers=3, prefetch_factor="auto"), "cpu", 1, None, "", none, None)
-    assert (choice.workers, choice.prefetch_factor, choice.decode_ms) == (3, 2, None)
+    choice = LoaderChoice.of(DataConfig(workers=3, prefetch_factor=2), None)
+    assert (choice.workers, choice.prefetch_factor, choice.decode_ms, choice.rule) == (3, 2, None,
+                                                                                     "data.workers as set")
+    measured = LoaderChoice(1, 0, "the rule", cores_per_rank=2, decode_ms=3.0)
+    assert LoaderChoice.of(DataConfig(workers=1, prefetch_factor=4), measured) == LoaderChoice(
+        1, 4, "the rule", cores_per_rank=2, decode_ms=3.0)
     assert DataConfig(workers="auto").workers == "auto"
     with pytest.raises(ConfigError, match="data.workers"):
         config_from_dict({"data": {"workers": -1}})

@@ -303,6 +303,7 @@ def test_a_refused_write_no_wrapper_named_is_exit_6_not_a_bug(tmp_path, capsys):
 def test_the_preflight_estimate_of_a_checkpoint_is_its_size_on_disk(tmp_path, sets):
     """What the disk-room warning multiplies: within 10% (and a few kB of pickle) of a real save."""
     from ddp_cli.cli.preflight import checkpoint_bytes
+
     from ddp_cli.config import RunConfig
     from ddp_cli.train.ema import EmaModel
     from ddp_cli.train.optim import build_optimizer

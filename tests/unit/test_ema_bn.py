@@ -22,6 +22,7 @@ from ddp_cli.models import build_model
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.trainer import Trainer
+from tests.resolved import resolved
 
 CPU = torch.device("cpu")
 
@@ -111,8 +112,8 @@ def trainer(cfg, folder, calibration: list | None) -> Trainer:
     seed_everything(cfg.seed)
     sampler = ShardSampler(4, 0, 1, shuffle=True, batch_size=2, with_epoch=True)
     loaders = Loaders([batch(10), batch(11)], Val([batch(20)]), sampler, calibration=calibration)
-    return Trainer(cfg, DistContext(0, 1, 0, 1, CPU, "gloo"), build_model(cfg.model, CLASSES), loaders, 2,
-                   Checkpointer(CheckpointStore(folder, keep_last=2)))
+    return Trainer(resolved(cfg, 2), DistContext(0, 1, 0, 1, CPU, "gloo"), build_model(cfg.model, CLASSES),
+                   loaders, 2,                   Checkpointer(CheckpointStore(folder, keep_last=2)))
 
 
 @pytest.fixture

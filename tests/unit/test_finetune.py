@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torchvision
+from ddp_cli.cli.preflight import with_weights_path
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
-from ddp_cli.cli.preflight import with_weights_path
 from ddp_cli.config import ModelConfig, OptimConfig, RunConfig, ScheduleConfig, config_from_dict
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.models import (

@@ -32,6 +32,7 @@ from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError
 from ddp_cli.index_build import resolve_dataset
 from ddp_cli.train.fixmatch import fixmatch_loss, pseudo_labels, summary
+from tests.resolved import resolved
 
 FIXMATCH = SemiConfig(method="fixmatch", threshold=0.9, lambda_u=2.0)
 
@@ -264,7 +265,7 @@ def test_the_labelled_subset_is_the_same_on_every_rank_at_any_loader_count_and_w
     fs, root = entry.open()
 
     def labelled(rank: int, world: int, workers: int) -> Split:
-        loaders = build_semi_loaders(cfg.resolved({"data.workers": workers}), fs, root, index, rank, world,
+        loaders = build_semi_loaders(resolved(cfg, loader_workers=workers), fs, root, index, rank, world,
                                      pin_memory=False)
         return loaders.train.dataset.dataset.split
 
@@ -276,7 +277,7 @@ def test_the_labelled_subset_is_the_same_on_every_rank_at_any_loader_count_and_w
 def test_the_unlabelled_loader_yields_both_views_of_images_nobody_labelled(with_unlabeled):
     cfg = semi_config(method="fixmatch", mu=2)
     entry, index = resolve_dataset(cfg, str(with_unlabeled))
-    loaders = build_semi_loaders(cfg, *entry.open(), index, 0, 1, pin_memory=False)
+    loaders = build_semi_loaders(resolved(cfg), *entry.open(), index, 0, 1, pin_memory=False)
     batch = next(iter(loaders.unlabelled))
     assert batch.images.shape == (4, 2, 8, 8, 3) and batch.labels.tolist() == [-1] * 4
     assert not torch.equal(batch.images[:, 0], batch.images[:, 1])  # weak and strong differ
@@ -353,7 +354,7 @@ def test_the_trainer_batches_labelled_weak_and_strong_in_one_forward_with_the_em
         loaders = Loaders(labelled, labelled[:1], ShardSampler(steps * accum * b, 0, 1, shuffle=True,
                                                                 batch_size=b, with_epoch=True),
                           unlabelled, stream(20, 0, 1, mu * b))
-        trainer = Trainer(cfg, DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo"),
+        trainer = Trainer(resolved(cfg, steps), DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo"),
                           build_model(cfg.model, CLASSES), loaders, steps)
         sizes, taught = [], []
         trainer.model.module.register_forward_hook(lambda module, args, out: sizes.append(len(args[0])))
@@ -410,7 +411,7 @@ def test_an_unlabeled_split_of_packed_shards_or_parquet_loads_and_is_dealt_once_
     fs, root = entry.open()
     dealt = []
     for rank in range(2):
-        loaders = build_semi_loaders(cfg, fs, root, index, rank, 2, pin_memory=False)
+        loaders = build_semi_loaders(resolved(cfg, world_size=2), fs, root, index, rank, 2, pin_memory=False)
         batches = iter(loaders.unlabelled)
         for _ in range(3):  # a pass: 12 images in 3 micro-steps of 2 ranks x 2
             batch = next(batches)

@@ -20,6 +20,7 @@ from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.models import build_model
 from ddp_cli.train.inference import evaluate
 from ddp_cli.train.trainer import Trainer
+from tests.resolved import resolved
 
 STEPS, EVERY, ACCUM, BATCH = 4, 2, 2, 2
 CPU = torch.device("cpu")
@@ -68,7 +69,9 @@ def trainer(syncs) -> Trainer:
     sampler = ShardSampler(STEPS * ACCUM * BATCH, 0, 1, shuffle=True, seed=0, batch_size=BATCH,
                            with_epoch=True)
     loaders = Loaders(batches(STEPS * ACCUM), batches(2), sampler)
-    return Trainer(cfg, DistContext(0, 1, 0, 1, CPU, "gloo"), build_model(cfg.model, CLASSES), loaders, STEPS)
+    return Trainer(resolved(cfg, STEPS), DistContext(0, 1, 0, 1, CPU, "gloo"),
+                   build_model(cfg.model, CLASSES),
+                   loaders, STEPS)
 
 
 def counting(syncs: HostSyncs, method, counts: list[int]):

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CLI_ENV
+from ddp_cli.cli.preflight import validation_workers
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app, commands
-from ddp_cli.cli.preflight import validation_workers
 from ddp_cli.config import RunConfig
 from ddp_cli.errors import ConfigError
 from ddp_cli.models import TinyResNet

@@ -22,6 +22,7 @@ from ddp_cli.train.fixmatch import SUMS, fixmatch_loss, summary
 from ddp_cli.train.mixing import BatchMixing
 from ddp_cli.train.objectives import FixMatch, Supervised, build_objective
 from ddp_cli.train.trainer import Trainer
+from tests.resolved import resolved
 
 CPU = torch.device("cpu")
 SIZE, B, MU, UNLABELLED = 8, 2, 2, 10  # a pass of 10 unlabelled images: 2 micro-steps of 4, 2 dropped
@@ -160,8 +161,8 @@ def fixmatch_trainer(cfg, folder, records: Records | None = None) -> Trainer:
     loaders = Loaders([labelled(10 + i) for i in range(4)], [labelled(20)], sampler, loaders.unlabelled,
                       loaders.unlabelled_stream)
     store = CheckpointStore(folder, keep_last=2)
-    return Trainer(cfg, DistContext(0, 1, 0, 1, CPU, "gloo"), tiny_model(), loaders, 3, Checkpointer(store),
-                   metrics=records)
+    return Trainer(resolved(cfg, 3), DistContext(0, 1, 0, 1, CPU, "gloo"), tiny_model(), loaders, 3,
+                   Checkpointer(store), metrics=records)
 
 
 def test_the_trainer_saves_and_restores_the_objective_s_state_and_logs_its_metrics(tmp_path):
@@ -197,7 +198,7 @@ def test_a_supervised_checkpoint_keeps_the_stream_s_fields_at_their_defaults(tmp
     try:
         sampler = ShardSampler(4 * B, 0, 1, shuffle=True, batch_size=B, with_epoch=True)
         loaders = Loaders([labelled(10 + i) for i in range(4)], [labelled(20)], sampler)
-        trainer = Trainer(cfg, DistContext(0, 1, 0, 1, CPU, "gloo"), tiny_model(), loaders, 2,
+        trainer = Trainer(resolved(cfg, 2), DistContext(0, 1, 0, 1, CPU, "gloo"), tiny_model(), loaders, 2,
                           Checkpointer(CheckpointStore(tmp_path, keep_last=1)))
         _, _, metrics = trainer.train_epoch(0)
         saved = torch.load(trainer.save(), weights_only=True)

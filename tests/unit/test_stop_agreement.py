@@ -19,6 +19,7 @@ from ddp_cli.errors import DdpError
 from ddp_cli.models import build_model
 from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.trainer import Trainer
+from tests.resolved import resolved
 
 
 class CountingStop:
@@ -67,7 +68,8 @@ def trainer_with_stop(stop_check_steps: int) -> Trainer:
     seed_everything(cfg.seed)
     ctx = DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo")
     checkpointer = Checkpointer(None, stop=StopRequest(None), stop_every=stop_check_steps)
-    trainer = Trainer(cfg, ctx, build_model(cfg.model, CLASSES), Loaders(None, [], None), 40, checkpointer)
+    trainer = Trainer(resolved(cfg, 40, ctx.world_size), ctx, build_model(cfg.model, CLASSES),
+                      Loaders(None, [], None), 40, checkpointer)
     trainer.model.eval()
     return trainer
 
@@ -140,7 +142,8 @@ def test_an_epoch_end_judges_best_pt_and_the_stop_by_the_weights_the_run_hands_o
     seed_everything(cfg.seed)
     ctx = DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo")
     model = build_model(cfg.model, CLASSES)
-    trainer = Trainer(cfg, ctx, model, Loaders(None, [], None), 4, Checkpointer(None))
+    trainer = Trainer(resolved(cfg, 4, ctx.world_size), ctx, model, Loaders(None, [], None), 4,
+                      Checkpointer(None))
     scores = {"model": {"loss": 1.0, "top1": 0.5, "top5": 1.0},
               "ema": {"loss": 0.9, "top1": 0.6, "top5": 1.0}}
     trainer.train_epoch = lambda epoch: (1.0, set(), {})

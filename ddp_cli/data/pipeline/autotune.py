@@ -1,4 +1,4 @@
-"""`data.workers = "auto"`: a rank's loader processes and prefetch, from its cores and a measurement.
+"""`data.workers = "auto"`: a rank's loader processes, from its cores and a measurement.
 
 Per image a loader process spends D ms reading, decoding, cropping and augmenting
 (measured here on a few of the data set's own images), and the model M
@@ -18,8 +18,9 @@ the ranks of the node).
   FLOPs at the train crop (counted on the meta device), times 3 for the
   backward, over one core's measured matmul rate.
 
-Prefetch: at least torch's 2 batches per loader process, and 4 batches queued
-per rank in all, so one slow batch does not stall the step.
+Prefetch ("auto"): at least torch's 2 batches per loader process, and 4 batches
+queued per rank in all, so one slow batch does not stall the step
+(`config.resolve.prefetch_for`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import fsspec
 import torch
@@ -44,7 +45,6 @@ from ddp_cli.data.pipeline.transforms import ValTransform
 from ddp_cli.data.sources.packed import Split
 
 MIN_GAIN = 0.10  # loader processes on CPU only when they would speed a step up this much
-QUEUED = 4  # batches prefetched per rank, in all
 SAMPLES = 8  # images decoded to measure D (after one to warm up)
 BACKWARD = 3  # forward + backward FLOPs over forward FLOPs
 
@@ -60,9 +60,13 @@ class LoaderChoice:
     decode_ms: float | None = None
     model_ms: float | None = None
 
-    def settings(self) -> dict[str, int]:
-        """The config keys this choice makes concrete (`RunConfig.resolved`)."""
-        return {"data.workers": self.workers, "data.prefetch_factor": self.prefetch_factor}
+    @classmethod
+    def of(cls, data: DataConfig, measured: LoaderChoice | None) -> LoaderChoice:
+        """What a resolved config's loaders run with: the measured rule's choice where data.workers was
+        "auto" (`measured`), else the numbers as set."""
+        if measured is None:
+            return cls(data.workers, data.prefetch_factor, "data.workers as set")
+        return replace(measured, workers=data.workers, prefetch_factor=data.prefetch_factor)
 
     def as_dict(self) -> dict[str, object]:
         """The inputs the rule used; none for numbers as set."""
@@ -133,25 +137,16 @@ def choose_workers(cores: int, device: str, decode: float, model: float | None) 
                    f"{decode + model:.3g}), at most cores - 1; gain {gain:.0%}")
 
 
-def choose_prefetch(workers: int) -> int:
-    """torch's 2, or more for fewer than QUEUED / 2 loader processes (2 for none: unused then)."""
-    return max(2, math.ceil(QUEUED / workers)) if workers else 2
-
-
-def choose_loaders(cfg: DataConfig, device: str, nproc: int, fs: fsspec.AbstractFileSystem, root: str,
-                   split: Split, model: nn.Module, train: bool = True,
-                   augment: AugmentConfig = AugmentConfig()) -> LoaderChoice:
-    """`data.workers` and `data.prefetch_factor`, each as set or, if "auto", by the rule."""
-    if cfg.workers != "auto":
-        workers, rule, inputs = cfg.workers, "data.workers as set", {}
-    else:
-        cores = cores_per_rank(nproc)
-        size = cfg.image_size if train else cfg.val_image_size or cfg.image_size
-        transform = train_transform(cfg, augment, size) if train else \
-            ValTransform(size, cfg.val_resize, cfg.val_interpolation or augment.interpolation)
-        decode = decode_ms(fs, root, split, transform)
-        cost = model_ms(model, size, train) if device == "cpu" and cores > 1 else None
-        workers, rule = choose_workers(cores, device, decode, cost)
-        inputs = {"cores_per_rank": cores, "decode_ms": decode, "model_ms": cost}
-    prefetch = choose_prefetch(workers) if cfg.prefetch_factor == "auto" else cfg.prefetch_factor
-    return LoaderChoice(workers, prefetch, rule, **inputs)
+def measure_loaders(cfg: DataConfig, device: str, nproc: int, fs: fsspec.AbstractFileSystem, root: str,
+                    split: Split, model: nn.Module, train: bool = True,
+                    augment: AugmentConfig = AugmentConfig()) -> LoaderChoice:
+    """The loader processes the rule gives a rank (what data.workers "auto" resolves to), from its cores
+    and a decode of the split's own images; the prefetch is the resolved config's (`LoaderChoice.of`)."""
+    cores = cores_per_rank(nproc)
+    size = cfg.image_size if train else cfg.val_image_size or cfg.image_size
+    transform = train_transform(cfg, augment, size) if train else \
+        ValTransform(size, cfg.val_resize, cfg.val_interpolation or augment.interpolation)
+    decode = decode_ms(fs, root, split, transform)
+    cost = model_ms(model, size, train) if device == "cpu" and cores > 1 else None
+    workers, rule = choose_workers(cores, device, decode, cost)
+    return LoaderChoice(workers, 0, rule, cores_per_rank=cores, decode_ms=decode, model_ms=cost)

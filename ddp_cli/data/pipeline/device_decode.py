@@ -50,7 +50,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from ddp_cli.config import RunConfig
 from ddp_cli.data.pipeline.augment import replay
 from ddp_cli.data.pipeline.batched_resize import host_tensor, resize_crops
 from ddp_cli.data.pipeline.images import BadImage, bad_image_message, decode_rgb
@@ -140,13 +139,10 @@ def on_cpu(data: torch.Tensor, item: Deferred, device: torch.device) -> torch.Te
     return _pinned(pixels, device).to(device, non_blocking=True).permute(2, 0, 1)
 
 
-def decode_choice(cfg: RunConfig, device: str) -> str:
-    """data.decode made concrete for workers on `device` (cuda | cpu): auto is "gpu" where they train on
-    CUDA, this torchvision decodes there (its CUDA builds have nvJPEG) and the policy replays there."""
-    if cfg.data.decode != "auto":
-        return cfg.data.decode
-    can = device == "cuda" and torchvision.version.cuda is not None and not cfg.augment.bicubic_policy()
-    return "gpu" if can else "cpu"
+def decodes_on(device: str) -> bool:
+    """Whether workers on `device` (cuda | cpu) can decode their JPEGs there: on CUDA, with a torchvision
+    built with it (its CUDA builds have nvJPEG). What data.decode "auto" resolves from."""
+    return device == "cuda" and torchvision.version.cuda is not None
 
 
 def decode_jpegs(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Sampler
 
 from ddp_cli.config import EMA_BN_IMAGES, RunConfig, SemiConfig
+from ddp_cli.config.resolve import require_resolved
 from ddp_cli.data.fetch.retry import IoPolicy
 from ddp_cli.data.pipeline.loaders import (
     EpochItems,
@@ -132,10 +133,11 @@ def build_semi_loaders(cfg: RunConfig, fs: fsspec.AbstractFileSystem, root: str,
                        rank: int, world_size: int, pin_memory: bool) -> Loaders:
     """`build_loaders` over the labelled split (with the EMA's BatchNorm sample where the run recomputes its
     statistics), and under FixMatch the unlabelled stream's loader."""
+    require_resolved(cfg, "the loaders")
     labelled, unlabelled = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
     loaders = build_loaders(cfg.data, fs, root, replace(index, splits={**index.splits, "train": labelled}),
                             rank, world_size, cfg.seed, pin_memory, augment=cfg.augment,
-                            calibration=EMA_BN_IMAGES if cfg.train.ema_bn_epochs != 0 else 0)
+                            calibration=EMA_BN_IMAGES if cfg.train.ema_bn_epochs else 0)
     if unlabelled is None:
         return loaders
     check_unlabelled(len(unlabelled), world_size, cfg)

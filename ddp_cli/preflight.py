@@ -4,10 +4,13 @@
 `ddp train --dry-run` alike (and on rank 0 under an external torchrun), so a
 config the dry run accepts is one the workers accept, and one it refuses is
 refused by `train` with the same line. Each rule stays a function beside its
-subject (`choose_backend`, `resolve_precision`, `check_optimizer`,
+subject (`choose_backend`, `check_precision`, `check_optimizer`,
 `count_steps`, `check_model`, ...); a worker that meets a rule again calls the
-same function. `Preflight` keeps what the checks computed, the config resolved
-among it ("auto" made concrete, paths made absolute) and frozen: `plan.describe`
+same function. On the way it gathers the facts the config's resolve pass needs
+(`node_facts`: the device, its native precision, the world, the model family, a
+timm model's cached weights; then the steps per epoch and the measured loader
+processes) and resolves the config once (`config.resolve`). `Preflight` keeps
+what the checks computed, the resolved config among it, frozen: `plan.describe`
 prints it, `commands.train` hands it to the workers, and nothing edits it after.
 """
 
@@ -16,15 +19,17 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
-from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_loaders
-from ddp_cli.data.pipeline.device_decode import decode_choice
+from ddp_cli.config.model_names import is_timm_model
+from ddp_cli.config.resolve import Facts, Pretrained, autos, for_inference, resolve
+from ddp_cli.data.pipeline.autotune import LoaderChoice, measure_loaders
+from ddp_cli.data.pipeline.device_decode import decodes_on
 from ddp_cli.data.pipeline.semi import check_unlabelled, semi_splits
 from ddp_cli.data.pipeline.sharedmem import check_shared_memory
 from ddp_cli.data.sources.table import IndexTable
@@ -35,6 +40,8 @@ from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_bac
 from ddp_cli.errors import ConfigError
 from ddp_cli.index_build import IndexBuild
 from ddp_cli.io import existing_ancestor, size_words
+from ddp_cli.models.families import takes_any_size
+from ddp_cli.models.timm_model import PRETRAINED, cached_weights, data_config, with_tag
 from ddp_cli.models.zoo import check_model, is_weight_name
 from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
@@ -42,7 +49,7 @@ from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
 from ddp_cli.run.network import warn_loopback_host
 from ddp_cli.train.optim import check_optimizer, state_copies
-from ddp_cli.train.precision import resolve_precision
+from ddp_cli.train.precision import check_precision, native_precision
 from ddp_cli.train.trainer import count_steps
 
 log = logging.getLogger("ddp")
@@ -55,7 +62,7 @@ class Workers:
     nnodes: int
     backend: str  # nccl | gloo
     device: str  # cuda | cpu
-    precision: str  # fp32 | bf16 | fp16: "auto" made concrete for this node
+    native_precision: str  # bf16 where this node's devices compute it natively, else fp32
 
     @property
     def world_size(self) -> int:
@@ -97,8 +104,23 @@ def place_workers(cfg: RunConfig, nproc: int, nnodes: int) -> Workers:
     check_gpus_usable(cfg.distributed.backend)
     backend = choose_backend(cfg.distributed.backend, cuda_devices(), nproc)
     device = "cuda" if backend == "nccl" else "cpu"
-    precision = resolve_precision(cfg.train.precision, torch.device(device))
-    return Workers(nproc, nnodes, backend, device, precision)
+    check_precision(cfg.train.precision, torch.device(device))
+    return Workers(nproc, nnodes, backend, device, native_precision(torch.device(device)))
+
+
+def node_facts(cfg: RunConfig, workers: Workers) -> Facts:
+    """What this node decides of the run's config before the data is counted: the device and its
+    precision, the model family, `model.weights` as an absolute path (workers and resumes may start
+    elsewhere), and a timm model's pretrained weights from the local cache (exit 3 where they are not)."""
+    weights, pretrained, weights_file = cfg.model.weights, None, None
+    if is_timm_model(cfg.model.name) and weights == PRETRAINED:
+        found = cached_weights(cfg.model.name)
+        pretrained = Pretrained(with_tag(cfg.model.name), found.revision, data_config(found))
+    elif weights and not is_weight_name(weights):
+        weights_file = str(Path(weights).expanduser().resolve())
+    return Facts(workers.device, workers.native_precision, workers.world_size,
+                 takes_any_size=takes_any_size(cfg.model.name), gpu_decode=decodes_on(workers.device),
+                 pretrained=pretrained, weights_file=weights_file)
 
 
 def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str = "never",
@@ -114,20 +136,22 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     check_sinks(cfg.logging)
     entry, index = build.result()
     startup.mark("index")
-    cfg = with_weights_path(cfg)
-    model = check_model(cfg, len(index.classes))
-    startup.mark("model_check")
-    loaders = choose_node_loaders(cfg, workers, entry, index, model, "train")
-    cfg = cfg.resolved({**loaders.settings(), "data.decode": decode_choice(cfg, workers.device)})
-    startup.mark("data_workers")
+    facts = node_facts(cfg, workers)
     labelled, unlabelled = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
+    batches = len(labelled) // workers.world_size // cfg.data.batch_size  # as a rank's loader
+    facts = replace(facts, steps_per_epoch=count_steps(batches, cfg.train))
+    planned = resolve(cfg, facts)  # all but the loader processes: the sizes the model must take
+    model = check_model(planned, len(index.classes))
+    startup.mark("model_check")
+    measured = measure_node_loaders(planned, workers, entry, index, model, "train") \
+        if "data.workers" in autos(cfg) else None
+    cfg = resolve(cfg, replace(facts, loader_workers=measured.workers if measured else 0))
+    loaders = LoaderChoice.of(cfg.data, measured)
+    check_shared_memory(cfg.data, loaders.workers, loaders.prefetch_factor, workers.nproc)
+    startup.mark("data_workers")
     if unlabelled is not None:
         check_unlabelled(len(unlabelled), workers.world_size, cfg)
-    batches = len(labelled) // workers.world_size // cfg.data.batch_size  # as a rank's loader
-    steps = count_steps(batches, cfg.train)
-    cfg = cfg.resolved({"train.ema_decay": cfg.train.ema_decay_at(steps),  # "auto"s, for config.toml
-                        "train.ema_bn_epochs": cfg.ema_bn_epochs_at(steps)})
-    return Preflight(cfg, entry, index, model, workers, loaders, resume, steps,
+    return Preflight(cfg, entry, index, model, workers, loaders, resume, facts.steps_per_epoch,
                      cfg.global_batch(workers.world_size), cfg.lr(workers.world_size),
                      (len(labelled), None if unlabelled is None else len(unlabelled)))
 
@@ -161,15 +185,23 @@ def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) ->
     return launch_workers(cfg, opts), check_model(cfg, num_classes)
 
 
-def choose_node_loaders(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index: IndexTable,
-                        model: nn.Module, split: str) -> LoaderChoice:
-    """`choose_loaders` for this node's workers; `LoaderChoice.settings()` resolves the config with it,
-    so the workers read concrete numbers. Their batches must fit in this node's /dev/shm."""
+def measure_node_loaders(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index: IndexTable,
+                         model: nn.Module, split: str) -> LoaderChoice:
+    """`measure_loaders` for this node's workers: the loader processes the rule gives a rank of them."""
     fs, root = entry.open()
-    choice = choose_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split],
-                            model, train=split == "train", augment=cfg.augment)
-    check_shared_memory(cfg.data, choice.workers, choice.prefetch_factor, workers.nproc)
-    return choice
+    return measure_loaders(cfg.data, workers.device, workers.nproc, fs, root, index.splits[split],
+                           model, train=split == "train", augment=cfg.augment)
+
+
+def resolved_for_inference(cfg: RunConfig, workers: Workers, entry: DatasetEntry, index: IndexTable,
+                           model: nn.Module, split: str) -> RunConfig:
+    """A checkpoint's config made concrete for `ddp validate` and `predict` over `split` on this node
+    (`config.resolve.for_inference`); their batches must fit in its /dev/shm."""
+    measured = measure_node_loaders(cfg, workers, entry, index, model, split) \
+        if "data.workers" in autos(cfg) else None
+    cfg = for_inference(cfg, workers.native_precision, measured.workers if measured else 0)
+    check_shared_memory(cfg.data, cfg.data.workers, cfg.data.prefetch_factor, workers.nproc)
+    return cfg
 
 
 def checked_resume(resume: str) -> str:
@@ -179,14 +211,6 @@ def checked_resume(resume: str) -> str:
     if not Path(resume).is_file():
         raise ConfigError(f"--resume {resume}: no such checkpoint; use auto, never or a .pt path")
     return str(Path(resume).resolve())
-
-
-def with_weights_path(cfg: RunConfig) -> RunConfig:
-    """The config with a `model.weights` file made absolute: workers and later resumes may start
-    elsewhere (a torchvision weight name stays a name)."""
-    if cfg.model.weights and not is_weight_name(cfg.model.weights):
-        return cfg.resolved({"model.weights": str(Path(cfg.model.weights).expanduser().resolve())})
-    return cfg
 
 
 def check_sync_batchnorm(cfg: ModelConfig, device: str) -> None:

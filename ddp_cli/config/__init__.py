@@ -1,0 +1,29 @@
+"""The run config: typed TOML sections, every key described, unknown keys refused; and the one pass
+that resolves it for a run.
+
+`load_config(path, overrides)` reads what the user asked (every mistake a `ConfigError` naming the
+file and the key); `resolve(cfg, facts)` (resolve.py) makes it the run's: every "auto" concrete and
+every derived key filled, once, by preflight. Rooms: `section` (the base), `data`, `model`, `train`
+and `run` (the sections; `run` the root and the rules across sections), `model_names` (the syntax of
+model.name), `load` (the file and `--set`), `errors` (pydantic's errors as one line), `resolve`,
+`reference` (the docs' config page).
+"""
+
+from ddp_cli.config.data import AugmentConfig, DataConfig
+from ddp_cli.config.load import apply_override, dotted_keys, load_config, unknown_key
+from ddp_cli.config.model import ModelConfig, ModelSource, OptimConfig, ScheduleConfig, SemiConfig
+from ddp_cli.config.run import RunConfig, config_from_dict
+from ddp_cli.config.train import (
+    EMA_BN_IMAGES,
+    CheckpointConfig,
+    DistributedConfig,
+    LoggingConfig,
+    MlflowConfig,
+    TrainConfig,
+    WandbConfig,
+)
+
+__all__ = ["EMA_BN_IMAGES", "AugmentConfig", "CheckpointConfig", "DataConfig", "DistributedConfig",
+           "LoggingConfig", "MlflowConfig", "ModelConfig", "ModelSource", "OptimConfig", "RunConfig",
+           "ScheduleConfig", "SemiConfig", "TrainConfig", "WandbConfig", "apply_override",
+           "config_from_dict", "dotted_keys", "load_config", "unknown_key"]

@@ -1,0 +1,209 @@
+"""The resolve pass: the one place where "auto" values become concrete and unset keys are derived.
+
+A validated config says what the user asked; `resolve` adds what the run's facts decide (the
+device and its native precision, the world size, the steps per epoch, the model family, the
+measured loader processes, a timm model's pretrained data config) and returns the frozen config
+the run uses and writes out as its run dir's config.toml. Nothing else fills these keys:
+
+- `train.precision` "auto": bf16 where the device computes it natively, else fp32;
+- `data.decode` "auto": "gpu" where the workers train on CUDA with an nvJPEG torchvision (and the
+  augment policy replays there), else "cpu";
+- `data.workers` / `data.prefetch_factor` "auto": the measured rule (`data.pipeline.autotune`);
+- `data.progressive`, `data.min_image_size`, `data.ramp_epochs` unset: the default recipe's
+  progressive resizing (`progressive_defaults`);
+- `data.val_resize` unset: the val crop over VAL_CROP_SHARE (or a timm model's crop_pct);
+- `train.ema_decay` "auto": an average over about an epoch of steps, at least EMA_HORIZON;
+- `train.ema_bn_epochs` "auto": the epochs that end within the EMA's horizon;
+- `checkpoint.best_metric` unset: the EMA's top-1 where the run has an EMA;
+- a timm model's pretrained weights: their tag, revision and the `data.*` keys their data config sets.
+
+`resume` reconciles a resolved config with the config of the checkpoint a run resumes from, and
+`for_inference` resolves a checkpoint's config on the machine that validates or predicts with it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddp_cli.config.data import RAMP_STEP, DataConfig
+from ddp_cli.config.run import RunConfig
+
+VAL_CROP_SHARE = 0.875  # val: the centre crop's share of the resized side (224 of 256), as torchvision's
+PROGRESSIVE_FROM = 32  # the smallest image_size progressive resizing is on for by default
+PROGRESSIVE_SCALE = 0.5  # the default first crop, of image_size (Composer's initial_scale)
+PROGRESSIVE_FLOOR = 24  # ... and at least this: a 16 px first crop cost the 32 px digits epochs
+PROGRESSIVE_REACH = 0.75  # on by default only where its steps reach this share of image_size (48 px: 32, off)
+PROGRESSIVE_RAMP = (0.4, 1.0)  # the default ramp, in fractions of the epochs: Composer's delay, to the end
+EMA_HORIZON = 100  # train.ema_decay "auto": averages over an epoch of steps, at least this many
+AUTO_KEYS = ("train.precision", "data.decode", "data.workers", "data.prefetch_factor", "train.ema_decay",
+             "train.ema_bn_epochs")  # keys whose "auto" only this pass makes concrete
+# keys this pass derives from others when unset (data.min_image_size too, with data.progressive: unset
+# after the pass where progressive resizing is off)
+DERIVED_KEYS = ("data.progressive", "data.ramp_epochs", "data.val_resize", "checkpoint.best_metric")
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    """A timm model's cached pretrained weights, as far as the config is concerned."""
+
+    name: str  # "timm/<architecture>.<tag>": the tag made explicit
+    revision: str  # the hub snapshot's commit
+    data: dict[str, Any] = field(default_factory=dict)  # their data config (pretrained_cfg)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What decides a run's "auto" and unset keys besides the config itself."""
+
+    device: str = "cpu"  # cuda | cpu: what the workers train on
+    native_precision: str = "fp32"  # bf16 where that device computes it natively, else fp32
+    world_size: int = 1
+    steps_per_epoch: int = 1  # a rank's optimisation steps per epoch
+    takes_any_size: bool = True  # the model family: may ddp vary its input size (progressive resizing)
+    gpu_decode: bool = False  # this torchvision decodes JPEGs on the workers' device (nvJPEG)
+    loader_workers: int = 0  # data.workers "auto": what the measured rule chose
+    pretrained: Pretrained | None = None
+    weights_file: str | None = None  # model.weights as an absolute path, where it names a file
+
+
+def autos(cfg: RunConfig) -> set[str]:
+    """The keys of `cfg` still left to ddp: "auto" values and unset derived keys."""
+    return ({key for key in AUTO_KEYS if cfg.value(key) == "auto"}
+            | {key for key in DERIVED_KEYS if cfg.value(key) is None})
+
+
+def require_resolved(cfg: RunConfig, user: str) -> None:
+    """What runs a config (`user`: the Trainer, the loaders) takes it resolved, never an "auto"."""
+    if left := autos(cfg):
+        raise ValueError(f"{user} needs a resolved config (config.resolve); still left to ddp: "
+                         f"{', '.join(sorted(left))}")
+
+
+def resolve(cfg: RunConfig, facts: Facts) -> RunConfig:
+    """`cfg` with every "auto" made concrete and every unset derived key filled from `facts`."""
+    changes: dict[str, Any] = {}
+    if facts.weights_file is not None:
+        changes["model.weights"] = facts.weights_file
+    if facts.pretrained is not None:
+        changes |= pretrained_settings(cfg, facts.pretrained)
+    data = cfg.resolved(changes).data if changes else cfg.data
+    changes |= progressive_defaults(cfg, facts.takes_any_size)
+    if data.val_resize is None:
+        changes["data.val_resize"] = round((data.val_image_size or data.image_size) / VAL_CROP_SHARE)
+    if cfg.train.precision == "auto":
+        changes["train.precision"] = facts.native_precision
+    if cfg.data.decode == "auto":
+        changes["data.decode"] = "gpu" if facts.gpu_decode and not cfg.augment.bicubic_policy() else "cpu"
+    workers = facts.loader_workers if cfg.data.workers == "auto" else cfg.data.workers
+    changes["data.workers"] = workers
+    if cfg.data.prefetch_factor == "auto":
+        changes["data.prefetch_factor"] = prefetch_for(workers)
+    decay = ema_decay(cfg, facts.steps_per_epoch)
+    changes["train.ema_decay"] = decay
+    changes["train.ema_bn_epochs"] = ema_bn_epochs(cfg, decay, facts.steps_per_epoch)
+    if cfg.checkpoint.best_metric is None:
+        changes["checkpoint.best_metric"] = "ema_top1" if decay else "top1"
+    return cfg.resolved(changes)
+
+
+def resume(cfg: RunConfig, trained: RunConfig) -> RunConfig:
+    """The resolved `cfg` of a run resumed from a checkpoint trained with `trained`: a run that trained
+    without recomputing its EMA's BatchNorm statistics (`train.ema_bn_epochs = 0`, which `migrate`
+    gives a checkpoint from before the key) goes on without, so it resumes to the same weights."""
+    if trained.train.ema_bn_epochs == 0 and cfg.train.ema_bn_epochs != 0:
+        return cfg.resolved({"train.ema_bn_epochs": 0})
+    return cfg
+
+
+def for_inference(cfg: RunConfig, native_precision: str, loader_workers: int) -> RunConfig:
+    """A checkpoint's config made concrete on the machine that validates or predicts with it: its
+    precision (one the command chose, or "auto": this device's native one) and its loaders."""
+    changes: dict[str, Any] = {"data.workers": loader_workers if cfg.data.workers == "auto"
+                               else cfg.data.workers}
+    if cfg.train.precision == "auto":
+        changes["train.precision"] = native_precision
+    if cfg.data.prefetch_factor == "auto":
+        changes["data.prefetch_factor"] = prefetch_for(changes["data.workers"])
+    return cfg.resolved(changes)
+
+
+def prefetch_for(workers: int) -> int:
+    """data.prefetch_factor "auto": torch's 2 batches per loader process, or more for fewer than two
+    processes, so that four batches are queued per rank in all (2 for none: unused then)."""
+    return max(2, math.ceil(4 / workers)) if workers else 2
+
+
+def ema_decay(cfg: RunConfig, steps_per_epoch: int) -> float:
+    """train.ema_decay made concrete for a run of `steps_per_epoch` steps an epoch (0 = no EMA)."""
+    if cfg.train.ema_decay == "auto":
+        return 1 - 1 / max(EMA_HORIZON, steps_per_epoch)
+    return cfg.train.ema_decay
+
+
+def ema_bn_epochs(cfg: RunConfig, decay: float, steps_per_epoch: int) -> int:
+    """train.ema_bn_epochs made concrete. "auto": the epochs that end within the EMA's horizon. Until
+    the run is as old as the horizon, the EMA's statistics still carry those of its first, fast-moving
+    weights (and, with progressive resizing, of crops smaller than validation's); past it, the EMA's own
+    average over the horizon's batches is the better estimate than a sample."""
+    if cfg.train.ema_bn_epochs != "auto":
+        return cfg.train.ema_bn_epochs
+    if not decay:
+        return 0
+    return min(round(1 / (1 - decay)) // max(steps_per_epoch, 1), cfg.train.epochs)
+
+
+def progressive_defaults(cfg: RunConfig, takes_any_size: bool) -> dict[str, Any]:
+    """The default recipe's progressive resizing made concrete (progressive, min_image_size, ramp_epochs)
+    where the config leaves it to ddp: a first crop given, the ramp follows the run's epochs; none given,
+    `default_min_image_size` decides whether it is on."""
+    data = cfg.data
+    off = {"data.progressive": bool(data.progressive), "data.ramp_epochs": data.ramp_epochs or [0, 0]}
+    if data.progressive is False:
+        return off
+    ramp = data.ramp_epochs or [round(cfg.train.epochs * share, 2) for share in PROGRESSIVE_RAMP]
+    if data.min_image_size is not None:
+        return {"data.progressive": True, "data.ramp_epochs": ramp}
+    start = default_min_image_size(data, takes_any_size and not cfg.semi.on())
+    if start is None or ramp[-1] == 0:  # off: a ramp ending at 0, or the default leaves it off
+        return off
+    return {"data.progressive": True, "data.min_image_size": start, "data.ramp_epochs": ramp}
+
+
+def default_min_image_size(data: DataConfig, may_resize: bool) -> int | None:
+    """The first crop of progressive resizing when min_image_size is unset: PROGRESSIVE_SCALE x image_size
+    to the nearest 16 px (a half up), and at least PROGRESSIVE_FLOOR. Unless data.progressive = true is
+    given, None where the default leaves it off: image_size under PROGRESSIVE_FROM (unmeasured there), or
+    where the ramp's last step before image_size is under PROGRESSIVE_REACH of it (48 px would train at 32
+    throughout), and where the model may not take other sizes or FixMatch runs (`may_resize` false: its
+    unlabelled views keep one size)."""
+    size = data.image_size
+    half = math.floor(size * PROGRESSIVE_SCALE / 16 + 0.5) * 16  # a half rounds up: 112 -> 64, 80 -> 48
+    start = max(PROGRESSIVE_FLOOR, half)
+    last = min(size, max(start, round((size - 1) / RAMP_STEP) * RAMP_STEP))  # train_size just before the end
+    off_by_default = size < PROGRESSIVE_FROM or last < PROGRESSIVE_REACH * size or not may_resize
+    return None if start >= size or (off_by_default and data.progressive is not True) else start
+
+
+def pretrained_settings(cfg: RunConfig, weights: Pretrained) -> dict[str, Any]:
+    """A timm model's pretrained weights: their tag and revision recorded, and the `data.*` keys their
+    data config sets, those the run config leaves unset. The input size becomes the val crop only when
+    neither data.image_size nor data.val_image_size is given; the val resize is the val crop over
+    crop_pct (timm's eval transform)."""
+    found, data = weights.data, cfg.data
+    given = {f"data.{key}" for key in data.model_fields_set}
+    out: dict[str, Any] = {}
+    for key in ("mean", "std"):
+        if f"data.{key}" not in given and isinstance(found.get(key), list | tuple) and len(found[key]) == 3:
+            out[f"data.{key}"] = [float(v) for v in found[key]]
+    if "data.val_interpolation" not in given and found.get("interpolation") in ("bilinear", "bicubic"):
+        out["data.val_interpolation"] = found["interpolation"]
+    size = data.val_image_size or data.image_size
+    input_size = found.get("input_size")
+    if not given & {"data.image_size", "data.val_image_size"} and isinstance(input_size, list | tuple):
+        size = out["data.val_image_size"] = int(input_size[-1])
+    if "data.val_resize" not in given and isinstance(found.get("crop_pct"), int | float):
+        out["data.val_resize"] = math.floor(size / found["crop_pct"])
+    source = {"revision": weights.revision, "from_weights": sorted(out)}
+    return {**out, "model.name": weights.name, "model.source": source}

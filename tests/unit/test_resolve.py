@@ -1,0 +1,232 @@
+"""The resolve pass (ddp_cli/config/resolve.py): every "auto" and derived key made concrete from the run's
+facts, in one place; and a test that no other module of the package resolves one."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from ddp_cli.config import config_from_dict
+from ddp_cli.config.resolve import (
+    AUTO_KEYS,
+    DERIVED_KEYS,
+    PROGRESSIVE_FLOOR,
+    PROGRESSIVE_FROM,
+    Facts,
+    Pretrained,
+    autos,
+    default_min_image_size,
+    for_inference,
+    require_resolved,
+    resolve,
+    resume,
+)
+from ddp_cli.errors import ConfigError
+
+PACKAGE = Path(__file__).resolve().parents[2] / "ddp_cli"
+
+
+def resolved(raw: dict, steps: int = 22, **facts) -> object:
+    return resolve(config_from_dict(raw), Facts(steps_per_epoch=steps, **facts))
+
+
+@pytest.mark.parametrize(("data", "resize"), [
+    ({}, 256), ({"image_size": 112}, 128), ({"image_size": 32}, 37),
+    ({"image_size": 112, "val_image_size": 144}, 165),   # the val crop's, not the train crop's
+    ({"image_size": 112, "val_resize": 112}, 112),       # given: kept
+])
+def test_the_val_resize_follows_the_val_crop_as_the_usual_centre_crop(data, resize):
+    """Unset val_resize is the val crop / 0.875: a 112 px crop from 128, not from a fixed 256 (which left
+    a small image's val crop a 44% centre patch of what training saw)."""
+    assert config_from_dict({"data": data}).data.val_resize == data.get("val_resize")  # unset until resolved
+    assert resolved({"data": data}).data.val_resize == resize
+
+
+@pytest.mark.parametrize(("decay", "steps", "at"), [
+    ("auto", 22, 0.99),  # the demo's 22 steps an epoch: at least 100 steps averaged
+    ("auto", 1250, 1 - 1 / 1250),  # ImageNet at 1,024 a step: an epoch
+    (0.9, 1250, 0.9), (0, 22, 0),  # given: kept (0 = no EMA)
+])
+def test_the_ema_decay_averages_over_an_epoch_of_at_least_100_steps_unless_given(decay, steps, at):
+    assert resolved({"train": {"ema_decay": decay}}, steps).train.ema_decay == pytest.approx(at)
+
+
+def test_best_pt_follows_the_ema_by_default_and_the_trained_weights_without_one():
+    """checkpoint.best_metric unset: the EMA's top-1 where the run has an EMA (by default), else top1;
+    given, kept; an old run dir's config.toml (both written out) keeps what it trained with."""
+    assert config_from_dict({}).checkpoint.best_metric is None
+    assert resolved({}).checkpoint.best_metric == "ema_top1"
+    assert resolved({"train": {"ema_decay": 0.999}}).checkpoint.best_metric == "ema_top1"
+    assert resolved({"train": {"ema_decay": 0}}).checkpoint.best_metric == "top1"
+    given = {"train": {"ema_decay": 0.999}, "checkpoint": {"best_metric": "top1"}}
+    assert resolved(given).checkpoint.best_metric == "top1"
+    old = resolved({"train": {"ema_decay": 0.0}, "checkpoint": {"best_metric": "top1"}})
+    assert (old.train.ema_decay, old.checkpoint.best_metric) == (0.0, "top1")
+    # a --set or a sweep's trial that turns the EMA off before the pass: derived from what it says
+    off = config_from_dict({}).resolved({"train.ema_decay": 0})
+    assert resolve(off, Facts()).checkpoint.best_metric == "top1"
+
+
+@pytest.mark.parametrize(("sections", "steps", "epochs"), [
+    ({"data": {"image_size": 32}}, 22, 4),     # the demo: 100 steps hold 4 epochs
+    ({"data": {"image_size": 32}}, 25, 4),     # an epoch ending on the horizon's last step is within it
+    ({"data": {"image_size": 32}}, 26, 3),
+    ({"data": {"image_size": 112}}, 47, 2),    # the photos: 2 epochs within 100 steps
+    ({"data": {"image_size": 32}, "train": {"epochs": 16}}, 5, 16),  # 20 epochs within: all 16 of the run
+    ({"data": {"image_size": 224}, "train": {"epochs": 90}}, 1250, 1),  # ImageNet at 1,024 a step
+    ({"data": {"image_size": 112}, "train": {"ema_decay": 0.99}}, 101, 0),  # an epoch past the horizon
+    ({"data": {"image_size": 112}, "train": {"ema_decay": 0.999}}, 47, 8),  # 21 epochs within: all 8
+    ({"data": {"image_size": 48}}, 22, 4),     # no progressive resizing by default at 48 px: the same rule
+    ({"data": {"image_size": 112, "progressive": False}}, 22, 4),
+    ({"data": {"image_size": 112}, "train": {"ema_decay": 0}}, 22, 0),  # no EMA
+    ({"data": {"image_size": 112}, "train": {"ema_bn_epochs": 3}}, 47, 3),  # given: kept
+    ({"data": {"image_size": 112}, "train": {"epochs": 3}}, 22, 3),  # 4 epochs within, of a run of 3
+    ({"data": {"image_size": 32}, "train": {"epochs": 40, "ema_decay": 0.9}}, 1, 10),  # 10 one-step epochs
+])
+def test_the_ema_statistics_are_recomputed_within_its_horizon(sections, steps, epochs):
+    """train.ema_bn_epochs "auto": the epochs that end within the EMA's horizon (1 / (1 - decay) steps), with
+    progressive resizing or without; made concrete for the run's steps an epoch, and written out so."""
+    raw = {"train": {"epochs": 8}, **{k: v for k, v in sections.items() if k != "train"}}
+    raw["train"].update(sections.get("train", {}))
+    cfg = resolved(raw, steps)
+    assert cfg.train.ema_bn_epochs == epochs
+    assert tomllib.loads(cfg.to_toml())["train"]["ema_bn_epochs"] == epochs
+    assert config_from_dict({}).train.ema_bn_epochs == "auto"
+
+
+def test_recomputing_the_ema_statistics_needs_an_ema():
+    with pytest.raises(ConfigError, match=r"train.ema_bn_epochs: .*no EMA; set train.ema_decay"):
+        config_from_dict({"train": {"ema_decay": 0, "ema_bn_epochs": 2}})
+    for left in ("auto", 0):  # "auto" finds none to do
+        assert resolved({"train": {"ema_decay": 0, "ema_bn_epochs": left}}).train.ema_bn_epochs == 0
+
+
+def test_the_default_first_crop_at_its_edges():
+    """default_min_image_size: on from PROGRESSIVE_FROM (32) px exactly; half the side but never under
+    PROGRESSIVE_FLOOR (24); off by default where the ramp's steps stop short of PROGRESSIVE_REACH of the
+    side or the model may not be resized; None where the first crop would be the whole image (24 px) even
+    when asked for."""
+    def first(may_resize=True, **data):
+        return default_min_image_size(config_from_dict({"data": data}).data, may_resize)
+
+    assert first(image_size=PROGRESSIVE_FROM) == PROGRESSIVE_FLOOR == 24
+    assert first(image_size=PROGRESSIVE_FROM - 1) is None
+    assert first(image_size=PROGRESSIVE_FROM - 1, progressive=True) == 24
+    # 47 and 48 px: the 32 px steps stop at 32, under PROGRESSIVE_REACH (3/4) of the side; 56 ends at 56
+    assert [first(image_size=s) for s in (40, 47, 48, 49, 56, 64)] == [24, None, None, 32, 32, 32]
+    assert first(image_size=48, progressive=True) == 32
+    assert first(image_size=24, progressive=True) is None
+    assert first(False, image_size=112) is None and first(False, image_size=112, progressive=True) == 64
+
+
+def test_the_device_decides_precision_decode_and_the_loaders_as_the_facts_say():
+    cpu = resolved({}, loader_workers=3)
+    assert (cpu.train.precision, cpu.data.decode, cpu.data.workers, cpu.data.prefetch_factor) == (
+        "fp32", "cpu", 3, 2)
+    gpu = resolved({"data": {"prefetch_factor": "auto"}}, device="cuda", native_precision="bf16",
+                   gpu_decode=True, loader_workers=1)
+    assert (gpu.train.precision, gpu.data.decode, gpu.data.workers, gpu.data.prefetch_factor) == (
+        "bf16", "gpu", 1, 4)
+    bicubic = {"augment": {"policy": "randaugment", "interpolation": "bicubic"}}
+    assert resolved(bicubic, gpu_decode=True).data.decode == "cpu"  # v2's tensor kernels rotate bilinear
+    given = {"train": {"precision": "fp32"}, "data": {"decode": "cpu", "workers": 0}}
+    assert (lambda c: (c.train.precision, c.data.decode, c.data.workers))(
+        resolved(given, native_precision="bf16", gpu_decode=True, loader_workers=5)) == ("fp32", "cpu", 0)
+
+
+def test_a_resolved_config_has_nothing_left_and_resolves_to_itself():
+    """What the run writes out (config.toml) holds every key concrete: read back and resolved again (a
+    resume from it, on the same facts) it is the same config, so the run resumes as it trained."""
+    facts = Facts(steps_per_epoch=22, loader_workers=1)
+    cfg = resolve(config_from_dict({"data": {"image_size": 32}, "train": {"epochs": 8}}), facts)
+    assert autos(cfg) == set()
+    again = config_from_dict(tomllib.loads(cfg.to_toml()))
+    assert resolve(again, Facts(steps_per_epoch=99, loader_workers=7)) == again == cfg
+    assert autos(config_from_dict({})) == (set(AUTO_KEYS) | set(DERIVED_KEYS)) - {"data.prefetch_factor"}
+
+
+def test_what_runs_a_config_refuses_one_left_unresolved():
+    with pytest.raises(ValueError, match=r"the Trainer needs a resolved config .*train\.ema_decay"):
+        require_resolved(config_from_dict({}), "the Trainer")
+    require_resolved(resolved({}), "the Trainer")
+
+
+def test_a_resume_keeps_a_run_that_trained_without_recomputing_its_ema_statistics_without():
+    cfg = resolved({"train": {"epochs": 8}})
+    assert cfg.train.ema_bn_epochs == 4
+    assert resume(cfg, config_from_dict({"train": {"ema_bn_epochs": 0}})).train.ema_bn_epochs == 0
+    assert resume(cfg, config_from_dict({"train": {"ema_bn_epochs": 2}})) is cfg  # it had them: as resolved
+
+
+def test_inference_resolves_a_checkpoints_precision_and_loaders_on_this_machine():
+    old = config_from_dict({"train": {"precision": "auto"}, "data": {"workers": "auto"}})
+    cfg = for_inference(old, "bf16", 2)
+    assert (cfg.train.precision, cfg.data.workers, cfg.data.prefetch_factor) == ("bf16", 2, 2)
+    kept = config_from_dict({"train": {"precision": "fp32"}, "data": {"workers": 0}})
+    assert (lambda c: (c.train.precision, c.data.workers))(for_inference(kept, "bf16", 2)) == ("fp32", 0)
+
+
+def test_a_timm_models_pretrained_data_config_fills_only_what_the_config_leaves_unset():
+    weights = Pretrained("timm/resnet50.a1_in1k", "abc123", {
+        "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25], "interpolation": "bicubic",
+        "input_size": [3, 160, 160], "crop_pct": 0.95})
+    cfg = resolved({"model": {"name": "timm/resnet50", "weights": "pretrained"}}, pretrained=weights)
+    assert (cfg.model.name, cfg.model.source.revision) == ("timm/resnet50.a1_in1k", "abc123")
+    assert (cfg.data.mean, cfg.data.val_interpolation, cfg.data.val_image_size, cfg.data.val_resize) == (
+        (0.5, 0.5, 0.5), "bicubic", 160, 168)
+    assert cfg.model.source.from_weights == ["data.mean", "data.std", "data.val_image_size",
+                                             "data.val_interpolation", "data.val_resize"]
+    given = resolved({"model": {"name": "timm/resnet50", "weights": "pretrained"},
+                      "data": {"image_size": 128, "mean": [0.1, 0.2, 0.3]}}, pretrained=weights)
+    assert (given.data.mean, given.data.val_image_size, given.data.val_resize) == ((0.1, 0.2, 0.3), None, 134)
+
+
+# The one resolve pass, held by reading the package: a comparison of one of the keys resolve makes concrete
+# with "auto" anywhere but in ddp_cli/config/ is a module resolving it on its own; so is a `resolved()`
+# call that fills one of those keys, or a derived one.
+RESOLVED_LEAVES = {key.split(".")[1] for key in (*AUTO_KEYS, *DERIVED_KEYS, "data.min_image_size")}
+
+
+def outside_config() -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if "config" not in p.relative_to(PACKAGE).parts[:1]]
+
+
+def auto_reads(tree: ast.AST) -> list[int]:
+    """Lines comparing `<...>.<a key resolve owns>` with "auto"."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            names = {s.attr for s in sides if isinstance(s, ast.Attribute)}
+            autos_ = [s for s in sides if isinstance(s, ast.Constant) and s.value == "auto"]
+            if autos_ and names & RESOLVED_LEAVES:
+                lines.append(node.lineno)
+    return lines
+
+
+def derived_fills(tree: ast.AST) -> list[int]:
+    """Lines calling `.resolved({...})` with a key resolve owns."""
+    owned = {*AUTO_KEYS, *DERIVED_KEYS, "data.min_image_size"}
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "resolved"
+            and any(isinstance(arg, ast.Dict) and any(isinstance(k, ast.Constant) and k.value in owned
+                                                      for k in arg.keys) for arg in node.args)]
+
+
+def test_no_module_but_the_resolve_pass_makes_an_auto_concrete_or_fills_a_derived_key():
+    found = {str(p.relative_to(PACKAGE)): lines for p in outside_config()
+             if (lines := auto_reads(tree := ast.parse(p.read_text())) + derived_fills(tree))}
+    assert found == {}
+
+
+def test_the_scan_finds_what_it_looks_for():
+    """The two probes above on code that breaks the rule, so a blind scan cannot pass."""
+    assert auto_reads(ast.parse('x = cfg.train.precision == "auto"')) == [1]
+    assert auto_reads(ast.parse('x = "auto" != cfg.data.workers')) == [1]
+    assert auto_reads(ast.parse('x = resume == "auto"')) == []  # not a config key: --resume's own "auto"
+    assert derived_fills(ast.parse('cfg = cfg.resolved({"data.val_resize": 128})')) == [1]
+    assert derived_fills(ast.parse('cfg = cfg.resolved({"data.batch_size": 8})')) == []
