@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def row(split: str, epoch: int, step: int, **fields: Any) -> dict[str, Any]:
+def row(split: str, epoch: int, step: int, /, **fields: Any) -> dict[str, Any]:
     """A metrics.jsonl record: `epoch` the 0-based epoch under way, written 1-based; `step` the
     optimisation steps completed, all epochs."""
     return {"split": split, "epoch": epoch + 1, "step": step, **fields}
