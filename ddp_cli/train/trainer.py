@@ -139,10 +139,12 @@ class Trainer:
                 self.recalibrate_ema()
             evaluation, of_ema = self.validate(bad)
             bad = union_across_ranks(bad)  # distinct bad files met this epoch (train and val)
-            end = EpochEnd(epoch + 1, train_loss, evaluation.metrics, of_ema.metrics if of_ema else None,
-                           seconds, self.steps_per_epoch * self.global_batch / seconds, len(bad),
-                           self.retries_since_last(), self.optimizer.param_groups[0]["lr"],
-                           cfg.data.train_size(epoch), metrics)
+            end = EpochEnd(epoch=epoch + 1, train_loss=train_loss, val=evaluation.metrics,
+                           ema_val=of_ema.metrics if of_ema else None, seconds=seconds,
+                           images_per_second=self.steps_per_epoch * self.global_batch / seconds,
+                           skipped=len(bad), io_retries=self.retries_since_last(),
+                           lr=self.optimizer.param_groups[0]["lr"], image_size=cfg.data.train_size(epoch),
+                           metrics=metrics)
             self.end_epoch(end, bad)
             self.report(epoch, end, evaluation)
             judged = end.ema_val if cfg.checkpoint.best_metric == "ema_top1" else end.val  # the run's weights
