@@ -64,6 +64,7 @@ from ddp_cli.models.zoo import build_model, count_parameters
 from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.mixing import loss_function
+from ddp_cli.train.objectives import on_device
 from ddp_cli.train.optim import build_optimizer
 from ddp_cli.train.precision import AUTOCAST, autocast, native_precision
 from ddp_cli.train.trainer import Trainer
@@ -320,7 +321,7 @@ def phase_seconds(spec: StepSpec, precision: str, channels_last: bool, sync: boo
         batch = next(batches)
         marks.append(settled(device))
         with trainer.gradient_sync(sync):
-            loss, _ = trainer.objective.loss(trainer.forward, (batch,), trainer.state.step)
+            loss, _ = trainer.objective.loss(trainer.forward, on_device((batch,), device), trainer.state.step)
             marks.append(settled(device))
             trainer.backward(loss)
         marks.append(settled(device))

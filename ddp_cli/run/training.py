@@ -117,14 +117,13 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
                  f"copy of the checkpoints in {folder / 'checkpoints'}")
     metrics = build_sinks(cfg.logging, folder, cfg.model_dump(mode="json")) if ctx.is_main else None
     console = RunConsole(ctx.is_main and not job.quiet, cfg.logging.every_steps)
+    on_validation = (lambda totals, epoch: write_evaluation(
+        folder / "evaluation.json", evaluation_record(
+            totals, index.classes, index.descriptions, source=f"train epoch {epoch}", checkpoint=None,
+            weights="model", dataset=entry.name, split="val"))) if ctx.is_main else None
     trainer = Trainer(cfg, ctx, model, loaders, count_steps(len(loaders.train), cfg.train),
-                      checkpointer, metrics, console, startup)
-    if ctx.is_main:
-        trainer.on_validation = lambda totals, epoch: write_evaluation(
-            folder / "evaluation.json", evaluation_record(
-                totals, index.classes, index.descriptions, source=f"train epoch {epoch}", checkpoint=None,
-                weights="model", dataset=entry.name, split="val"))
-    trainer.stop_after_epoch = epoch_gate(ctx)
+                      checkpointer, metrics, console, startup,
+                      on_validation=on_validation, stop_after_epoch=epoch_gate(ctx))
     startup.mark("ddp")
     return trainer
 

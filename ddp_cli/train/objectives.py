@@ -1,7 +1,8 @@
 """What a training step minimises, built once from the config (as torchtitan builds its `loss_fn`).
 
-The Trainer's loop is the same whatever the method: it hands each micro-step's
-batches and its model's forward to an `Objective` and gets back the loss to
+The Trainer's loop is the same whatever the method: it moves each micro-step's
+batches to the device (`on_device`, the one place a training batch crosses over),
+hands them and its model's forward to an `Objective`, and gets back the loss to
 step on and the running sums behind the method's metrics. The method's own
 parts live here, assembled from `mixing.py` and `fixmatch.py`:
 
@@ -24,7 +25,7 @@ import torch
 
 from ddp_cli.config import RunConfig
 from ddp_cli.data.pipeline.loaders import Batch, Loaders
-from ddp_cli.data.pipeline.transforms import normalising, to_model_input
+from ddp_cli.data.pipeline.transforms import model_input, normalising
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.fixmatch import SUMS, fixmatch_loss, summary
 from ddp_cli.train.inference import raise_bad_images
@@ -52,8 +53,8 @@ class Objective(Protocol):
         ...
 
     def loss(self, forward: Forward, micro: Micro, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, sums) of one micro-step of optimisation step `step` (0-based, the one being taken); the
-        Trainer divides the loss by the step's micro-steps."""
+        """(loss, sums) of one micro-step of optimisation step `step` (0-based, the one being taken), its
+        batches on the device (`on_device`); the Trainer divides the loss by the step's micro-steps."""
         ...
 
     def metrics(self, sums: list[float], micro_steps: float) -> dict[str, Any]:
@@ -71,6 +72,16 @@ class Objective(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Its fields from the run's progress, on resume (RunState's defaults where a checkpoint had none)."""
         ...
+
+
+def on_device(micro: Micro, device: torch.device) -> Micro:
+    """A micro-step's batches on `device`, their bad images raised first: images (uint8 NHWC as loaded, or
+    decoded there, data.decode = "gpu") and labels, each copied as it is without the host waiting (pinned
+    on a GPU; a cat on the host would make a pageable tensor, whose copy is synchronous)."""
+    for batch in micro:
+        raise_bad_images(batch.errors)
+    return tuple(batch._replace(images=batch.images.to(device, non_blocking=True),
+                                labels=batch.labels.to(device, non_blocking=True)) for batch in micro)
 
 
 def build_objective(cfg: RunConfig, loaders: Loaders, device: torch.device, precision: str,
@@ -98,9 +109,7 @@ class Supervised:
 
     def loss(self, forward: Forward, micro: Micro, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         (batch,) = micro
-        raise_bad_images(batch.errors)
-        x = to_model_input(batch.images, self.device, self.channels_last, self.norm)
-        y = batch.labels.to(self.device, non_blocking=True)
+        x, y = model_input(batch.images, self.channels_last, self.norm), batch.labels
         mix = self.mixing.draw(step, x) if self.mixing else None
         if mix:
             x = mix.images(x)
@@ -153,16 +162,9 @@ class FixMatch(Supervised):
         return next(self.unlabelled)
 
     def loss(self, forward: Forward, micro: Micro, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, unlabelled = micro
-        raise_bad_images(batch.errors)
-        raise_bad_images(unlabelled.errors)
-        # each pinned batch copied as it is, then joined on the device (a cat on the host would make a
-        # pageable tensor, whose copy to a GPU is synchronous); views: N x 2 x H x W x C, weak then strong
-        views = unlabelled.images.to(self.device, non_blocking=True)
-        images = torch.cat([batch.images.to(self.device, non_blocking=True), views[:, 0], views[:, 1]])
-        x = to_model_input(images, self.device, self.channels_last, self.norm)
-        y = batch.labels.to(self.device, non_blocking=True)
-        hidden = unlabelled.labels.to(self.device, non_blocking=True)
+        batch, unlabelled = micro  # on the device, joined there; views: N x 2 x H x W x C, weak then strong
+        views, y, hidden = unlabelled.images, batch.labels, unlabelled.labels
+        x = model_input(torch.cat([batch.images, views[:, 0], views[:, 1]]), self.channels_last, self.norm)
         teacher = self.teacher_logits(x[len(y):len(y) + len(views)]) if self.semi.ema_teacher else None
         with autocast(self.device, self.precision):
             logits = forward(x)

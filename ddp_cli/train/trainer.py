@@ -7,9 +7,19 @@ whole val split (and of the weights' EMA, if on: in the first epochs with its
 BatchNorm statistics recomputed first, `recalibrate_ema()`),
 and after every step and epoch `checkpoint()`: when the `Checkpointer` says a
 save is due, the state is settled and saved (and a stop signal ends the run).
-What a Trainer needs from its process (steps per epoch, the checkpointer with
-its stop request and store, the metrics sinks, the console) is handed in, so
-benches and tests build one without a worker around it.
+Its parts are built one way: what the config makes (the replica, optimiser,
+schedule, scaler, objective, EMA) the Trainer builds from it with the `build_*`
+functions; what ties it to its process (steps per epoch, the checkpointer with
+its stop request and store, the metrics sinks, the console, the startup clock,
+and the hooks `on_validation` and `stop_after_epoch`) is handed to its
+constructor, each with a bare default, so benches and tests build one without a
+worker around it.
+
+Its bookkeeping is named: the epoch's running sums are `RunningSums` (one flat
+device tensor: running.py), a metrics.jsonl row is made by `log` (records.py's
+`row`), an epoch's end is one `EpochEnd` written both as the history's row and
+the validation records' keys, and a step's batches cross to the device once,
+before the objective (`on_device`, objectives.py).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from ddp_cli.data.fetch.retry import retries_so_far
 from ddp_cli.data.pipeline.loaders import Batch, Loaders, skipped_files
 from ddp_cli.data.pipeline.transforms import normalising, to_model_input
 from ddp_cli.distributed.reduce import replicate
-from ddp_cli.distributed.setup import DistContext, queued_copy
+from ddp_cli.distributed.setup import DistContext
 from ddp_cli.errors import ConfigError, DivergedError
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.sinks import Sink
@@ -42,9 +52,11 @@ from ddp_cli.train.checkpoint_model import warn_if_changed
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.inference import evaluate_each, raise_bad_images
 from ddp_cli.train.metrics import EvalTotals
-from ddp_cli.train.objectives import Micro, build_objective
+from ddp_cli.train.objectives import Micro, build_objective, on_device
 from ddp_cli.train.optim import build_optimizer
 from ddp_cli.train.precision import autocast, grad_scaler
+from ddp_cli.train.records import EpochEnd, row
+from ddp_cli.train.running import RunningSums
 from ddp_cli.train.schedules import build_scheduler, resume_schedule
 
 log = logging.getLogger("ddp")
@@ -79,7 +91,9 @@ class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, model: nn.Module, loaders: Loaders,
                  steps_per_epoch: int, checkpointer: Checkpointer | None = None,
                  metrics: Sink | None = None, console: RunConsole | None = None,
-                 startup: StartupClock | None = None) -> None:
+                 startup: StartupClock | None = None, *,
+                 on_validation: Callable[[EvalTotals, int], None] | None = None,
+                 stop_after_epoch: Callable[[dict[str, float], int], bool] | None = None) -> None:
         require_resolved(cfg, "the Trainer")
         self.precision = cfg.train.precision
         self.cfg, self.ctx, self.loaders, self.steps_per_epoch = cfg, ctx, loaders, steps_per_epoch
@@ -101,14 +115,13 @@ class Trainer:
         self.scaler = grad_scaler(ctx.device, self.precision)
         self.objective = build_objective(cfg, loaders, ctx.device, self.precision, self.ema)
         self.state = RunState(global_batch=self.global_batch, world_sizes=[ctx.world_size])
-        # the epoch's loss sum, steps and the objective's sums; mark: all ranks' at the last record
-        self.running = torch.zeros(2 + len(self.objective.sums), dtype=torch.float64, device=ctx.device)
-        self.mark = self.running.clone()
+        self.running = RunningSums(self.objective.sums, ctx.device)  # this rank's, over the epoch so far
+        self.mark = self.running.clone()  # all ranks' at the last record
         self.retries_seen = retries_so_far()
         self.checkpointer = checkpointer or Checkpointer(None)
-        self.on_validation: Callable[[EvalTotals, int], None] | None = None  # (totals, epoch): rank 0's files
+        self.on_validation = on_validation  # (totals, epoch): rank 0's files
         # (val metrics, epoch) -> stop here? Asked on every rank at each epoch's end (a sweep's pruner)
-        self.stop_after_epoch: Callable[[dict[str, float], int], bool] | None = None
+        self.stop_after_epoch = stop_after_epoch
         self.stopped_at: int | None = None  # the epoch a stop_after_epoch ended the run after
         self.checkpointer.track(self.state)
         self.checkpointer.register(
@@ -126,41 +139,44 @@ class Trainer:
             if epoch < self.ema_bn_epochs:
                 self.recalibrate_ema()
             evaluation, of_ema = self.validate(bad)
-            val = evaluation.metrics
-            ema_val = of_ema.metrics if of_ema else None
             bad = union_across_ranks(bad)  # distinct bad files met this epoch (train and val)
-            retries = self.retries_since_last()
-            self.state.io_retries += retries
-            self.state.skipped_files = sorted(bad.union(self.state.skipped_files))
-            self.state.epoch, self.state.final, self.state.final_ema = epoch + 1, val, ema_val
-            self.state.step_in_epoch = self.state.samples_in_epoch = 0
-            self.running.zero_()
-            self.state.running = []
-            row = {"epoch": epoch + 1, "train_loss": train_loss, "val_loss": val["loss"],
-                   "top1": val["top1"], "top5": val["top5"], "seconds": seconds,
-                   "images_per_second": self.steps_per_epoch * self.global_batch / seconds,
-                   "skipped": len(bad), "io_retries": retries,
-                   **({"ema_top1": ema_val["top1"]} if ema_val else {}), **metrics}
-            self.state.history.append(row)
-            lr, size = self.optimizer.param_groups[0]["lr"], cfg.data.train_size(epoch)
-            epoch_keys = {"lr": lr, "image_size": size, "images_per_second": row["images_per_second"],
-                          "skipped_images": len(bad), "io_retries": retries}  # on each validation's record
-            self.log({"split": "val", "epoch": epoch + 1, "step": self.state.step, **val, **epoch_keys})
-            if ema_val:
-                self.log({"split": "val_ema", "epoch": epoch + 1, "step": self.state.step, **ema_val,
-                          **epoch_keys})
-            if metrics:  # the objective's own, over the epoch
-                self.log({"split": self.objective.name, "epoch": epoch + 1, "step": self.state.step,
-                          **metrics})
-            self.console.epoch_done(row)
-            if self.on_validation:
-                self.on_validation(evaluation, epoch + 1)
-            judged = ema_val if cfg.checkpoint.best_metric == "ema_top1" else val  # the weights the run gives
+            end = EpochEnd(epoch=epoch + 1, train_loss=train_loss, val=evaluation.metrics,
+                           ema_val=of_ema.metrics if of_ema else None, seconds=seconds,
+                           images_per_second=self.steps_per_epoch * self.global_batch / seconds,
+                           skipped=len(bad), io_retries=self.retries_since_last(),
+                           lr=self.optimizer.param_groups[0]["lr"], image_size=cfg.data.train_size(epoch),
+                           metrics=metrics)
+            self.end_epoch(end, bad)
+            self.report(epoch, end, evaluation)
+            judged = end.ema_val if cfg.checkpoint.best_metric == "ema_top1" else end.val  # the run's weights
             self.checkpoint(top1=judged["top1"])
             if self.stopping_after(judged, epoch + 1):
                 break
         self.console.summary(self.state.history)
         return self.summary(images_seen / max(train_seconds, 1e-9))
+
+    def end_epoch(self, end: EpochEnd, bad: set[str]) -> None:
+        """The run's progress past an epoch: its history row, the whole run's counts, and no running sums
+        (the next epoch starts from none)."""
+        self.state.io_retries += end.io_retries
+        self.state.skipped_files = sorted(bad.union(self.state.skipped_files))
+        self.state.epoch, self.state.final, self.state.final_ema = end.epoch, end.val, end.ema_val
+        self.state.step_in_epoch = self.state.samples_in_epoch = 0
+        self.running.zero()
+        self.state.running = []
+        self.state.history.append(end.history_row())
+
+    def report(self, epoch: int, end: EpochEnd, evaluation: EvalTotals) -> None:
+        """An epoch's end to metrics.jsonl (each validation's record with the epoch's keys, then the
+        objective's metrics), the console (the history's row) and `on_validation`."""
+        self.log("val", epoch, **end.val, **end.validation_keys())
+        if end.ema_val:
+            self.log("val_ema", epoch, **end.ema_val, **end.validation_keys())
+        if end.metrics:  # the objective's own, over the epoch
+            self.log(self.objective.name, epoch, **end.metrics)
+        self.console.epoch_done(self.state.history[-1])
+        if self.on_validation:
+            self.on_validation(evaluation, end.epoch)
 
     def stopping_after(self, val: dict[str, float], epoch: int) -> bool:
         """Asks `stop_after_epoch` at every epoch's end (a sweep's trial reports each epoch), and ends
@@ -192,10 +208,9 @@ class Trainer:
         sampler.set_epoch(epoch, skip=self.state.samples_in_epoch, layout=self.state.epoch_layout)
         self.model.train()
         batches = iter(self.loaders.train)
-        self.running.copy_(queued_copy(torch.tensor(self.state.running_of(
-            self.ctx.rank, self.ctx.world_size, len(self.running)), dtype=torch.float64), self.ctx.device))
+        self.running.restore(self.state.running_of(self.ctx.rank, self.ctx.world_size, len(self.running)))
         if self.objective.sums:
-            self.mark = self.reduced_running()
+            self.mark = self.running.reduced()
         bad, window, every = set(), (start, time.perf_counter()), self.cfg.logging.every_steps
         lrs = []  # the LR of every step since the last record: all of them reach metrics.jsonl
         with self.console.epoch(epoch, self.cfg.train.epochs, self.steps_per_epoch) as update:
@@ -205,49 +220,42 @@ class Trainer:
                 self.startup.mark("first_batch")
                 bad.update(path for part in micro for batch in part for path in skipped_files(batch.skipped))
                 lrs.append(self.optimizer.param_groups[0]["lr"])
-                sums = self.train_step(micro)
-                self.running += torch.cat([sums[:1], self.running.new_ones(1), sums[1:]])
+                self.running.add(self.train_step(micro))
                 self.state.step, self.state.step_in_epoch = self.state.step + 1, step
                 if startup := self.startup.finish("first_step"):
                     self.console.info(self.startup.line())
-                    self.log({"split": "startup", "epoch": epoch + 1, "step": self.state.step,
-                              "startup_seconds": startup})
+                    self.log("startup", epoch, startup_seconds=startup)
                 self.state.samples_in_epoch += self.global_batch
                 if step % every == 0 or step == self.steps_per_epoch:
                     loss = self.check_finite()
                     rate = (step - window[0]) * self.global_batch / (time.perf_counter() - window[1])
                     update(step, loss=loss, lr=lrs[-1], img_s=rate)
-                    self.log({"split": "train", "epoch": epoch + 1, "step": self.state.step,
-                              "loss": loss, "lr": lrs[-1], "lrs": lrs, "images_per_second": rate,
-                              **self.metrics_window()})
+                    self.log("train", epoch, loss=loss, lr=lrs[-1], lrs=lrs, images_per_second=rate,
+                             **self.metrics_window())
                     window, lrs = (step, time.perf_counter()), []
                 if step < self.steps_per_epoch:  # the epoch's last step is saved after validation
                     self.checkpoint()
-        loss, steps, *sums = self.reduced_running().tolist()
-        return loss / max(steps, 1), bad, self.objective.metrics(sums, steps * self.accum)
-
-    def reduced_running(self) -> torch.Tensor:
-        """The epoch's running sums of all ranks."""
-        running = self.running.clone()
-        dist.all_reduce(running)
-        return running
+        total = self.running.reduced().read()
+        return total.loss / max(total.steps, 1), bad, self.objective.metrics(total.objective,
+                                                                             total.steps * self.accum)
 
     def metrics_window(self) -> dict[str, Any]:
         """The objective's metrics since the last record (all ranks'); none, and no collective, without
         sums of its own."""
         if not self.objective.sums:
             return {}
-        now = self.reduced_running()
-        since, self.mark = (now - self.mark).tolist(), now
-        return self.objective.metrics(since[2:], since[1] * self.accum)
+        now = self.running.reduced()
+        since, self.mark = (now - self.mark).read(), now
+        return self.objective.metrics(since.objective, since.steps * self.accum)
 
     def train_step(self, micro: list[Micro]) -> torch.Tensor:
-        """Forward/backward each micro-step's batches through the objective, its loss divided by the
-        micro-steps (gradients synced on the last), then one optimiser step. Returns (loss, the
-        objective's sums...) of the step."""
+        """Forward/backward each micro-step's batches (as loaded; moved to the device here, one micro-step
+        at a time) through the objective, its loss divided by the micro-steps (gradients synced on the
+        last), then one optimiser step. Returns (loss, the objective's sums...) of the step."""
         total = torch.zeros((), device=self.ctx.device)
         sums = torch.zeros(len(self.objective.sums), dtype=torch.float64, device=self.ctx.device)
         for i, part in enumerate(micro):
+            part = on_device(part, self.ctx.device)
             with self.gradient_sync(i == len(micro) - 1):
                 loss, counted = self.objective.loss(self.forward, part, self.state.step)
                 loss = loss / len(micro)
@@ -278,7 +286,7 @@ class Trainer:
 
     def check_finite(self) -> float:
         """The epoch's mean loss so far; non-finite ends the run (exit 4), keeping the last checkpoint."""
-        loss = (self.running[0] / self.running[1].clamp(min=1)).item()
+        loss = self.running.mean_loss().item()
         if not math.isfinite(loss):
             raise DivergedError(f"training diverged at step {self.state.step} (loss {loss}); "
                                 "lower optim.lr or add schedule.warmup_epochs")
@@ -304,9 +312,7 @@ class Trainer:
         self.state.load_state_dict(self.objective.state_dict())
         for buffer in self.model.module.buffers():
             dist.broadcast(buffer, src=0)
-        everyone = [torch.empty_like(self.running) for _ in range(self.ctx.world_size)]
-        dist.all_gather(everyone, self.running)
-        self.state.running = [rank.tolist() for rank in everyone]
+        self.state.running = self.running.gathered(self.ctx.world_size)
 
     def recalibrate_ema(self) -> None:
         """The EMA's BatchNorm statistics recomputed from the run's fixed sample of train images (this
@@ -382,9 +388,8 @@ class Trainer:
         self.state.step_in_epoch = math.ceil(self.state.samples_in_epoch / self.global_batch)
         position = self.state.epoch * self.steps_per_epoch + self.state.step_in_epoch
         resume_schedule(self.scheduler, ratio, position)
-        self.log({"split": "world_size", "epoch": self.state.epoch + 1, "step": self.state.step,
-                  "world_size": self.ctx.world_size, "previous": saved_world,
-                  "global_batch": self.global_batch, "lr": self.lr})
+        self.log("world_size", self.state.epoch, world_size=self.ctx.world_size, previous=saved_world,
+                 global_batch=self.global_batch, lr=self.lr)
         if self.ctx.is_main:
             log.info(f"resume: {change}: peak LR {self.lr / ratio:.6g} -> {self.lr:.6g}, schedule at "
                      f"step {position} of {self.steps_per_epoch * self.cfg.train.epochs} (epoch "
@@ -409,9 +414,10 @@ class Trainer:
             **self.objective.summary(last),
         }
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, split: str, epoch: int, /, **fields: Any) -> None:
+        """A metrics.jsonl row (`records.row`: `epoch` the 0-based one under way, at the steps taken)."""
         if self.metrics:
-            self.metrics.write(record)
+            self.metrics.write(row(split, epoch, self.state.step, **fields))
 
     def close(self) -> None:
         """Stop the live view; flush and close the metrics sinks (W&B finishes its run here); wait

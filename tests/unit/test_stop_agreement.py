@@ -142,15 +142,14 @@ def test_an_epoch_end_judges_best_pt_and_the_stop_by_the_weights_the_run_hands_o
     seed_everything(cfg.seed)
     ctx = DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo")
     model = build_model(cfg.model, CLASSES)
+    saved, told = [], []
     trainer = Trainer(resolved(cfg, 4, ctx.world_size), ctx, model, Loaders(None, [], None), 4,
-                      Checkpointer(None))
+                      Checkpointer(None), stop_after_epoch=lambda val, epoch: told.append(val) or False)
     scores = {"model": {"loss": 1.0, "top1": 0.5, "top5": 1.0},
               "ema": {"loss": 0.9, "top1": 0.6, "top5": 1.0}}
     trainer.train_epoch = lambda epoch: (1.0, set(), {})
     trainer.validate = lambda bad: tuple(SimpleNamespace(metrics=scores[w]) for w in ("model", "ema"))
-    saved, told = [], []
     trainer.checkpoint = lambda top1=None: saved.append(top1)
-    trainer.stop_after_epoch = lambda val, epoch: told.append(val) or False
     out = trainer.fit()
     assert saved == [scores[judged]["top1"]] * 2 and told == [scores[judged]] * 2
     assert (out["final"], out["final_ema"]) == (scores["model"], scores["ema"])

@@ -171,7 +171,13 @@ def to_model_input(
     images: torch.Tensor, device: torch.device, channels_last: bool, norm: Norm = IMAGENET
 ) -> torch.Tensor:
     """uint8 NHWC batch -> float NCHW on `device` (channels_last if asked), normalised by `norm`."""
-    x = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
+    return model_input(images.to(device, non_blocking=True), channels_last, norm)
+
+
+def model_input(images: torch.Tensor, channels_last: bool, norm: Norm = IMAGENET) -> torch.Tensor:
+    """`to_model_input` of a batch already on its device: uint8 NHWC -> float NCHW there, nothing copied
+    between host and device."""
+    x, device = images.permute(0, 3, 1, 2), images.device
     out = torch.empty(x.shape, dtype=torch.float32, device=device,
                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     out.copy_(x)  # layout and dtype in one pass, then two in-place passes: (x/255 - mean)/std
