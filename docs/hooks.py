@@ -1,4 +1,8 @@
-"""MkDocs hook: the pages generated from the code at build time, never kept by hand.
+"""MkDocs hook: the pages generated from the code, never edited by hand.
+
+`reference/cli.md` and `reference/config.md` are generated from the code and committed, so that they read
+on the code host too: `python docs/hooks.py` rewrites them (`make docs` and `make test` fail while they
+differ from what the code generates; tests/unit/test_docs_commands.py checks it too).
 
 - `reference/cli.md`: the help of every `ddp` command, from the Typer app as `ddp_cli.cli` defines it
   when the site is built (Typer's own Markdown renderer, the one behind `typer ... utils docs`), plus
@@ -17,12 +21,15 @@ mkdocs.yml names this file under `hooks:`; `make docs` and `make test` build wit
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import re
 import sys
 from pathlib import Path
 
 from mkdocs.structure.files import File, Files, InclusionLevel
+
+log = logging.getLogger("mkdocs.hooks.reference")
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the checkout's ddp_cli, whatever is installed
@@ -92,9 +99,18 @@ def config_reference() -> str:
 GENERATED = {"reference/cli.md": cli_reference, "reference/config.md": config_reference}
 
 
+def stale_pages() -> list[str]:
+    """The committed generated pages that differ from what the code generates now."""
+    docs = ROOT / "docs"
+    return [uri for uri, make in GENERATED.items()
+            if not (docs / uri).is_file() or (docs / uri).read_text() != make()]
+
+
 def on_files(files: Files, config) -> Files:
-    for uri, make in GENERATED.items():
-        files.append(File.generated(config, uri, content=make()))
+    stale = stale_pages()
+    if stale:
+        log.warning("out of date with the code: %s; run `python docs/hooks.py`",
+                    ", ".join(f"docs/{uri}" for uri in stale))
     for uri, path in REPOSITORY_PAGES.items():
         files.append(File.generated(config, uri, abs_src_path=str(ROOT / path)))
     for report in sorted((ROOT / "benchmarks" / "reports").glob("*.md")):
@@ -145,3 +161,9 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         return f"]({posixpath.relpath(page_uri, posixpath.dirname(uri) or '.')}{anchor})"
 
     return LINK.sub(rewrite, markdown)
+
+
+if __name__ == "__main__":  # python docs/hooks.py: rewrite the generated pages from the code
+    for uri, make in GENERATED.items():
+        (ROOT / "docs" / uri).write_text(make())
+        print(f"wrote docs/{uri}")
