@@ -90,7 +90,7 @@ gpu-check: setup
 #   make mutate MODULE=ddp_cli/data/fetch/retry.py
 # The first run traces the core's own unit test files once (pytest_add_cli_args_test_selection; ~2 min)
 # to learn which tests cover which function; then each mutant runs only those tests, in-process,
-# MUTATE_JOBS at a time. Measured on 2 cores (AVX2, 2026-11-26): the whole core, 2032 mutants, 18 min 37 s.
+# MUTATE_JOBS at a time. Measured on 2 cores (AVX2): the whole core, 2032 mutants, 18 min 37 s.
 # With MODULE every mutant of it is retested; without, only those not yet tested or whose function changed
 # (results are kept in mutants/, git-ignored; `rm -rf mutants` starts afresh). It ends with the score per
 # module (tools/mutation_score.py), which fails if a survivor has no row in tests/mutation-survivors.md.

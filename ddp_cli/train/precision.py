@@ -1,7 +1,7 @@
 """Autocast precision: what each `train.precision` means on a device, "auto" included.
 
 bf16 is only fast where the hardware computes it (CUDA from Ampere, CPUs with
-AVX-512 BF16 or AMX: ~2x fp32 there, BENCHMARKS.md); elsewhere it is emulated
+AVX-512 BF16 or AMX: about 2x fp32's steps/s there: BENCHMARKS.md, "Training step"); elsewhere it is emulated
 and slower than fp32. So "auto" picks bf16 only where it is native. `DDP_CPU_BF16=native|emulated`
 overrides what the CPU's flags say: to see, on any machine, what `auto` does on the other kind
 (docs/development.md, "Other CPUs").
