@@ -29,18 +29,18 @@ from ddp_cli.cli.config_view import render, schema
 from ddp_cli.cli.starter import write_starter
 from ddp_cli.config import RunConfig, TrainConfig, load_config
 from ddp_cli.data.fetch.storage import s3_filesystem
+from ddp_cli.data.index_build import IndexBuild, resolve_dataset
+from ddp_cli.data.registry import DatasetEntry, load_registry
 from ddp_cli.data.sources.inputs import expand_inputs, input_root
 from ddp_cli.data.sources.layouts import SHARDS, build_index
 from ddp_cli.data.sources.shards import describe as describe_shards
 from ddp_cli.data.sources.shards import read_index
 from ddp_cli.data.sources.table import UNLABELED, IndexTable
 from ddp_cli.errors import INTERNAL, PEER_LOST, ConfigError, DataError, DdpError, PeerLost, WorkerFailed
-from ddp_cli.index_build import IndexBuild, resolve_dataset
 from ddp_cli.io import writing
 from ddp_cli.observe import classes
 from ddp_cli.observe.report import classes_png, plot, summarize
 from ddp_cli.observe.startup import StartupClock
-from ddp_cli.registry import DatasetEntry, load_registry
 from ddp_cli.run.bucket import RunBucket, staging_folder
 from ddp_cli.run.jobs import Job, prepare_job, read_result
 from ddp_cli.userfiles import user_path

@@ -23,22 +23,22 @@ import torch
 from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
+from ddp_cli.data.index_build import IndexBuild
 from ddp_cli.data.pipeline.autotune import LoaderChoice, choose_loaders
 from ddp_cli.data.pipeline.device_decode import decode_choice
 from ddp_cli.data.pipeline.semi import check_unlabelled, semi_splits
 from ddp_cli.data.pipeline.sharedmem import check_shared_memory
+from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.faults import VARIABLE as FAULTS
 from ddp_cli.distributed.faults import parse_faults
 from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
-from ddp_cli.index_build import IndexBuild
 from ddp_cli.io import existing_ancestor, size_words
 from ddp_cli.models.zoo import check_model, is_weight_name
 from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
-from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
 from ddp_cli.run.network import warn_loopback_host
 from ddp_cli.train.optim import check_optimizer, state_copies

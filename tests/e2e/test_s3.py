@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 
 from ddp_cli.cli import app
 from ddp_cli.data.fetch.storage import FileReader, cache_folder
+from ddp_cli.data.registry import load_registry
 from ddp_cli.errors import DataError
-from ddp_cli.registry import load_registry
 
 BUCKET = "ddp-test-data"
 runner = CliRunner()

@@ -30,8 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.data.sources",),
     ("ddp_cli.data.pipeline",),
     ("ddp_cli.data.pack", "ddp_cli.distributed", "ddp_cli.models", "ddp_cli.observe"),
-    ("ddp_cli.registry",),
-    ("ddp_cli.index_build",),
+    ("ddp_cli.data.registry",),
+    ("ddp_cli.data.index_build",),
     # a sweep's space (read against the run config) and its study's storage
     ("ddp_cli.sweep.space", "ddp_cli.sweep.storage"),
     ("ddp_cli.train",),
@@ -116,7 +116,7 @@ def test_no_module_imports_a_layer_above_or_a_sibling(module):
 
 
 def test_the_rule_refuses_upward_and_sibling_imports():
-    assert violations("ddp_cli.data.pipeline.check", {"ddp_cli.registry"})  # data/ reading the registry
+    assert violations("ddp_cli.data.pipeline.check", {"ddp_cli.data.registry"})  # data/ reading the registry
     assert violations("ddp_cli.data.fetch.storage", {"ddp_cli.data.sources.table"})  # a room above
     assert violations("ddp_cli.data.pipeline.loaders", {"ddp_cli.distributed.setup"})  # siblings
     assert violations("ddp_cli.train.trainer", {"ddp_cli.run.worker"})
@@ -135,10 +135,10 @@ def test_the_rule_refuses_upward_and_sibling_imports():
 def test_every_import_form_is_read(tmp_path):
     """`from ddp_cli import x` and relative imports are imports too (once a blind spot)."""
     source = tmp_path / "m.py"
-    source.write_text("from ddp_cli import registry\nfrom ..sources import table\nfrom . import retry\n"
+    source.write_text("from ddp_cli.data import registry\nfrom ..sources import table\nfrom . import retry\n"
                       "def f():\n    from ...run.worker import run_job\n")
     found = imports(source, "ddp_cli.data.fetch.storage")
-    assert {"ddp_cli.registry", "ddp_cli.data.sources.table", "ddp_cli.data.fetch.retry",
+    assert {"ddp_cli.data.registry", "ddp_cli.data.sources.table", "ddp_cli.data.fetch.retry",
             "ddp_cli.run.worker"} <= found
     assert violations("ddp_cli.data.fetch.storage", found)
 
