@@ -36,7 +36,8 @@ from ddp_cli.distributed.faults import parse_faults
 from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
 from ddp_cli.io import existing_ancestor, size_words
-from ddp_cli.models.zoo import check_model, is_weight_name
+from ddp_cli.models.check import check_model
+from ddp_cli.models.weights import is_weight_name
 from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc

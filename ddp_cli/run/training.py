@@ -23,7 +23,9 @@ from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
 from ddp_cli.errors import DdpError, WriteError
 from ddp_cli.models.export import export_checkpoint
-from ddp_cli.models.zoo import build_model, freeze, load_weights
+from ddp_cli.models.finetune import freeze
+from ddp_cli.models.weights import load_weights
+from ddp_cli.models.zoo import build_model
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.report import plot
 from ddp_cli.observe.sinks import build_sinks
