@@ -40,9 +40,10 @@ from ddp_cli.errors import DATA, SIGINT, USAGE, ConfigError, DataError
 from ddp_cli.fastexit import run_and_exit
 
 if TYPE_CHECKING:
-    from ddp_cli.cli import commands
+    from ddp_cli.cli.commands import training as commands
 else:  # commands loads pydantic and numpy (and torch, in the commands that train): on first use,
-    commands = lazy_module("ddp_cli.cli.commands")  # so `ddp --help` and `ddp --version` start at once
+    commands = lazy_module("ddp_cli.cli.commands.training")  # so `ddp --help` and `ddp --version`
+    # start at once
 
 app = group("Train image classifiers data-parallel on torch.distributed from one TOML file.",
             rich_markup_mode="markdown")

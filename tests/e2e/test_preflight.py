@@ -18,7 +18,8 @@ import torch
 from conftest import REPO, run_ddp
 from synthetic import write_registry
 
-from ddp_cli.cli import commands, main
+from ddp_cli.cli import main
+from ddp_cli.cli.commands import training as commands
 from ddp_cli.run import launch
 
 DEMO = str(REPO / "configs/demo.toml")

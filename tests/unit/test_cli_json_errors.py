@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ddp_cli.cli import app, commands, main
+from ddp_cli.cli import app, main
+from ddp_cli.cli.commands import training as commands
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
 

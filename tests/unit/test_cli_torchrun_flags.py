@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO
 from typer.testing import CliRunner
 
-from ddp_cli.cli import app, commands
+from ddp_cli.cli import app
+from ddp_cli.cli.commands import training as commands
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
 DEMO = str(REPO / "configs/demo.toml")

@@ -13,7 +13,8 @@ import torch
 from conftest import CLI_ENV
 from typer.testing import CliRunner
 
-from ddp_cli.cli import app, commands
+from ddp_cli.cli import app
+from ddp_cli.cli.commands import training as commands
 from ddp_cli.cli.preflight import validation_workers
 from ddp_cli.config import RunConfig
 from ddp_cli.errors import ConfigError

@@ -209,7 +209,7 @@ def test_a_node_other_than_rank_0s_uploads_its_ranks_logs_only(run_url, tmp_path
 def test_checkpoint_dir_is_the_run_dir_where_no_flag_gives_one(flag, configured, expected, monkeypatch):
     from contextlib import contextmanager
 
-    from ddp_cli.cli import commands
+    from ddp_cli.cli.commands import training as commands
     from ddp_cli.config import load_config
 
     @contextmanager
