@@ -255,7 +255,7 @@ def test_predict_reads_s3_objects_and_prefixes(s3_registry, s3_endpoint, trained
 
 def test_predict_names_a_missing_s3_input(s3_registry, s3_endpoint, trained_demo, aws):
     """Checked in the launcher, before any worker starts (`predict_inputs`): exit 3 naming it."""
-    from ddp_cli.cli.commands.training import predict_inputs
+    from ddp_cli.cli.commands.checkpoints import predict_inputs
     from ddp_cli.train.checkpoint_model import load_trained
 
     aws.setenv("AWS_ENDPOINT_URL", s3_endpoint)

@@ -11,7 +11,7 @@ from conftest import CLI_ENV
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app, envinfo
-from ddp_cli.cli.commands.training import auto_choices
+from ddp_cli.cli.commands.machine import auto_choices
 from ddp_cli.cli.preflight import launch_workers
 from ddp_cli.config import DistributedConfig, RunConfig, TrainConfig
 from ddp_cli.distributed import gpus
