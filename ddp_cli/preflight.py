@@ -28,24 +28,25 @@ from torch import nn
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.config.model_names import is_timm_model
 from ddp_cli.config.resolve import Facts, Pretrained, autos, for_inference, resolve
+from ddp_cli.data.index_build import IndexBuild
 from ddp_cli.data.pipeline.autotune import LoaderChoice, measure_loaders
 from ddp_cli.data.pipeline.device_decode import decodes_on
 from ddp_cli.data.pipeline.semi import check_unlabelled, semi_splits
 from ddp_cli.data.pipeline.sharedmem import check_shared_memory
+from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.faults import VARIABLE as FAULTS
 from ddp_cli.distributed.faults import parse_faults
 from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
 from ddp_cli.errors import ConfigError
-from ddp_cli.index_build import IndexBuild
 from ddp_cli.io import existing_ancestor, size_words
+from ddp_cli.models.check import check_model
 from ddp_cli.models.families import takes_any_size
 from ddp_cli.models.timm_model import PRETRAINED, cached_weights, data_config, with_tag
-from ddp_cli.models.zoo import check_model, is_weight_name
+from ddp_cli.models.weights import is_weight_name
 from ddp_cli.observe.sinks import check_sinks
 from ddp_cli.observe.startup import StartupClock
-from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.launch import LaunchOptions, check_rendezvous, resolve_nproc
 from ddp_cli.run.network import warn_loopback_host
 from ddp_cli.train.optim import check_optimizer, state_copies

@@ -72,8 +72,8 @@ def val_split_of(registry: Path, crop: int, resize: int, name: str = "demo"):
 
     from ddp_cli.data.pipeline.loaders import ImageDataset
     from ddp_cli.data.pipeline.transforms import ValTransform, to_model_input
+    from ddp_cli.data.registry import load_registry
     from ddp_cli.data.sources.layouts import build_index
-    from ddp_cli.registry import load_registry
 
     entry = load_registry(str(registry)).get(name)
     fs, root = entry.open()

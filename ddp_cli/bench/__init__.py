@@ -3,7 +3,7 @@ May import anything of the product but cli/; nothing of the product imports it (
 
 What is which:
 
-- The product is `ddp` minus `bench`: its commands (ddp_cli/cli/ddp.py -> cli/commands.py) and
+- The product is `ddp` minus `bench`: its commands (ddp_cli/cli/ddp.py -> cli/commands/) and
   everything under them (preflight, run, train, data, ...). None of it imports ddp_cli.bench
   (tests/unit/test_layers.py: bench sits beside the commands; only `ddp`'s Typer app, which mounts
   the door `ddp_cli/cli/bench.py`, reaches it).

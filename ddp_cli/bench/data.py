@@ -44,10 +44,10 @@ from ddp_cli.data.fetch.storage import FileReader
 from ddp_cli.data.pipeline.augment import policy, train_transform
 from ddp_cli.data.pipeline.loaders import ImageDataset
 from ddp_cli.data.pipeline.transforms import MEAN, STD, to_model_input
+from ddp_cli.data.registry import load_registry
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.errors import ConfigError
-from ddp_cli.registry import load_registry
 
 POLICIES = ("none", "trivialaugment", "randaugment", "autoaugment")
 FULL = "ddp_full_decode"  # ddp's pipeline with its DCT scaling off

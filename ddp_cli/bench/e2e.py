@@ -34,8 +34,8 @@ from statistics import median
 
 from ddp_cli.bench.data import machine
 from ddp_cli.config import RunConfig, config_from_dict, load_config
+from ddp_cli.data.registry import find_registry, load_registry
 from ddp_cli.errors import DataError
-from ddp_cli.registry import find_registry, load_registry
 from ddp_cli.run.launch import LaunchOptions, resolve_nproc
 
 TIMEOUT_S = 1800

@@ -51,10 +51,10 @@ from ddp_cli.data.pipeline.augment import train_transform
 from ddp_cli.data.pipeline.loaders import EpochItems, ImageDataset
 from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.data.pipeline.transforms import to_model_input
+from ddp_cli.data.registry import DatasetEntry, load_registry
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.packed import PARQUET, Split
 from ddp_cli.errors import ConfigError
-from ddp_cli.registry import DatasetEntry, load_registry
 
 WINDOW = 2  # shards read at a time: a small window, so that a small bench set is streamed
 

@@ -25,12 +25,15 @@ import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from ddp_cli.cli.exits import exits
+from ddp_cli.errors import ConfigError
 from ddp_cli.run.logenv import LOG_ENV  # the levels without -v and with it (torch warnings show)
 
 RegistryOpt = Annotated[str | None, typer.Option(
     "--registry", metavar="PATH", help="data.toml to use (else $DDP_DATA_TOML, else ./data.toml).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="Debug logging.")]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", metavar="KEY=VALUE", help="Override a config key: --set optim.lr=0.2 (TOML value syntax).")]
 
 # torchrun's options, spelled its way; `ddp` lists the dashed form and accepts both
 TORCHRUN_SPELLINGS = {f"--{name}": f"--{name.replace('_', '-')}" for name in (
@@ -182,3 +185,10 @@ def lazy_module(name: str) -> ModuleType:
     parent, _, child = name.rpartition(".")
     setattr(sys.modules[parent], child, module)
     return module
+
+
+def one_of(value: str, allowed: tuple[str, ...], flag: str) -> str:
+    """`value` if `allowed`; else the usage error naming the flag and what it takes."""
+    if value not in allowed:
+        raise ConfigError(f"{flag} {value}: use {' or '.join(allowed)}")
+    return value

@@ -2,14 +2,15 @@
 `commands` and draws the result (`render`); errors become exit codes (`exits`).
 
 Results go to stdout (with --json: exactly one JSON document, the last line, and on failure that
-document is the error); progress, tables and errors go to stderr. `ddp bench` is mounted from its
-door, cli/bench.py (its measurements, ddp_cli/bench/, are a tool beside the product).
+document is the error); progress, tables and errors go to stderr. The sub-apps are mounted from their
+own modules: `ddp datasets` (cli/datasets.py), `ddp config` (cli/config.py), `ddp sweep` (cli/sweep.py)
+and `ddp bench`, from its door, cli/bench.py (its measurements, ddp_cli/bench/, are a tool beside the
+product).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -27,34 +28,38 @@ from ddp_cli.cli.bench import bench_app
 from ddp_cli.cli.clikit import (
     JsonOpt,
     RegistryOpt,
+    SetOpt,
     VerboseOpt,
     command,
     configure_logging,
     group,
     lazy_module,
+    one_of,
 )
-from ddp_cli.cli.exits import emit, fail, report_error, stdout_may_close
-from ddp_cli.cli.render import err
+from ddp_cli.cli.config import config_app
+from ddp_cli.cli.datasets import datasets_app
+from ddp_cli.cli.exits import emit, report_error
 from ddp_cli.cli.sweep import sweep_app
-from ddp_cli.errors import DATA, SIGINT, USAGE, ConfigError, DataError
+from ddp_cli.errors import SIGINT, USAGE, ConfigError, DataError
 from ddp_cli.fastexit import run_and_exit
 
 if TYPE_CHECKING:
-    from ddp_cli.cli import commands
-else:  # commands loads pydantic and numpy (and torch, in the commands that train): on first use,
-    commands = lazy_module("ddp_cli.cli.commands")  # so `ddp --help` and `ddp --version` start at once
+    from ddp_cli.cli.commands import checkpoints, machine, reports, run_config, run_dirs, training
+else:  # the commands load pydantic and numpy (and torch, in the commands that train): on first use,
+    training = lazy_module("ddp_cli.cli.commands.training")  # so `ddp --help` and `ddp --version` start
+    run_dirs = lazy_module("ddp_cli.cli.commands.run_dirs")  # at once
+    checkpoints = lazy_module("ddp_cli.cli.commands.checkpoints")
+    reports = lazy_module("ddp_cli.cli.commands.reports")
+    machine = lazy_module("ddp_cli.cli.commands.machine")
+    run_config = lazy_module("ddp_cli.cli.commands.run_config")
 
 app = group("Train image classifiers data-parallel on torch.distributed from one TOML file.",
             rich_markup_mode="markdown")
-datasets_app = group("Inspect the data set registry (data.toml).")
 app.add_typer(datasets_app, name="datasets")
 app.add_typer(bench_app, name="bench")
 app.add_typer(sweep_app, name="sweep")
-config_app = group("The run config: resolved, or its JSON schema.")
 app.add_typer(config_app, name="config")
 
-SetOpt = Annotated[list[str] | None, typer.Option(
-    "--set", metavar="KEY=VALUE", help="Override a config key: --set optim.lr=0.2 (TOML value syntax).")]
 CheckpointOpt = Annotated[Path, typer.Option(
     metavar="PATH", help="A checkpoint, e.g. RUN_DIR/checkpoints/best.pt.")]
 NprocOpt = Annotated[int, typer.Option("--nproc-per-node", min=1, metavar="N", help="Workers on this node.")]
@@ -67,9 +72,7 @@ WeightsOpt = Annotated[str, typer.Option(
     "--weights", metavar="auto|model|ema",
     help="The checkpoint's trained weights (model) or their moving average (ema); auto = those the run "
     "judged its best by (checkpoint.best_metric: the EMA's where it had one).")]
-DatasetArg = Annotated[str, typer.Argument(metavar="NAME", help="A data set name in the registry.")]
 WEIGHTS = ("auto", "model", "ema")
-SplitOpt = Annotated[str, typer.Option(metavar="train|val|all", help="The split(s) to read.")]
 
 
 def version_callback(value: bool) -> None:
@@ -136,14 +139,14 @@ def train(
     * `ddp train cfg.toml --nnodes 1:2 --max-restarts 3 --rdzv-endpoint node0:29400 --rdzv-id job1`
     * `ddp train cfg.toml --nproc_per_node 4 --standalone`
     """
-    flags = commands.LaunchFlags(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, max_restarts,
+    flags = training.LaunchFlags(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, max_restarts,
                                  standalone, master_addr, master_port)
-    run_dir = commands.run_location(run_dir, "--run-dir")
+    run_dir = run_dirs.run_location(run_dir, "--run-dir")
     if dry_run:
-        plan = commands.dry_run(config, set_ or [], registry, flags, resume)
+        plan = training.dry_run(config, set_ or [], registry, flags, resume)
         emit(plan, as_json, lambda: render.print_mapping("plan", plan))
         return
-    result = commands.train(config, set_ or [], registry, run_dir, flags, resume, quiet or as_json)
+    result = training.train(config, set_ or [], registry, run_dir, flags, resume, quiet or as_json)
     if result:
         emit(result, as_json, lambda: render.print_train_summary(result))
 
@@ -183,11 +186,11 @@ def validate(
     * `ddp validate --checkpoint best.pt --weights ema --topk 1,5,10 --per-class --confusion cm.csv`
     * `ddp validate --checkpoint best.pt --dataset imagenet_s3 --registry data.toml`
     """
-    job = commands.Job("validate", as_json, str(checkpoint), weights=one_of(weights, WEIGHTS, "--weights"),
+    job = checkpoints.Job("validate", as_json, str(checkpoint), weights=one_of(weights, WEIGHTS, "--weights"),
                        topk=topk_list(topk), tta=one_of(tta, ("flip",), "--tta") == "flip" if tta else False,
                        per_class=per_class, confusion=str(confusion) if confusion else None,
                        predictions=str(predictions) if predictions else None)
-    result = commands.validate(job, config, dataset, registry, nproc_per_node, batch_size,
+    result = checkpoints.validate(job, config, dataset, registry, nproc_per_node, batch_size,
                                one_of(precision, PRECISIONS, "--precision") if precision else None)
     emit(result, as_json, lambda: render.print_validation(result))
 
@@ -219,9 +222,9 @@ def predict(
     * `ddp predict --checkpoint best.pt --dataset demo --split val --topk 1 --json > preds.jsonl`
     * `ddp predict --checkpoint best.pt s3://my-bucket/new-images/ --weights ema`
     """
-    job = commands.Job("predict", as_json, str(checkpoint), weights=one_of(weights, WEIGHTS, "--weights"),
+    job = checkpoints.Job("predict", as_json, str(checkpoint), weights=one_of(weights, WEIGHTS, "--weights"),
                        topk=[topk])
-    answers = commands.predict(job, inputs or [], dataset, one_of(split, ("train", "val"), "--split"),
+    answers = checkpoints.predict(job, inputs or [], dataset, one_of(split, ("train", "val"), "--split"),
                                registry, nproc_per_node, batch_size,
                                one_of(precision, PRECISIONS, "--precision") if precision else None)
     if as_json:
@@ -257,135 +260,8 @@ def export(
     * `ddp export --checkpoint best.pt --format onnx --weights ema --out model.onnx --json`
     * `ddp export --checkpoint best.pt --format safetensors --out model.safetensors`
     """
-    result = commands.export(checkpoint, format_, weights, out)
+    result = checkpoints.export(checkpoint, format_, weights, out)
     emit(result, as_json, lambda: render.print_export(result))
-
-
-@command(datasets_app, "list")
-def datasets_list(registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
-    """List the data sets in the registry.
-
-    Examples:
-
-    * `ddp datasets list`
-    * `ddp datasets list --registry /shared/data.toml --json`
-    """
-    rows = commands.datasets_list(registry)
-    emit(rows, as_json, lambda: render.print_datasets(rows))
-
-
-@command(datasets_app, "show")
-def datasets_show(name: DatasetArg, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
-    """Show a data set: its registry entry, split sizes and classes.
-
-    Examples:
-
-    * `ddp datasets show demo`
-    * `ddp datasets show imagenet_s3 --json | jq .splits`
-    """
-    result = commands.datasets_show(name, registry)
-    emit(result, as_json, lambda: render.print_dataset(result))
-
-
-@command(datasets_app, "check")
-def datasets_check(
-    name: DatasetArg,
-    split: SplitOpt = "all",
-    workers: Annotated[int | None, typer.Option(
-        min=1, metavar="N", help="Threads reading and decoding (default 4 per CPU, at most 32).")] = None,
-    registry: RegistryOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Read and decode every image of a split; list every bad file and why. Exit 3 if any.
-
-    Reasons: missing file (named in the listing/CSV), unreadable, not an image, truncated,
-    corrupt, unknown synset; an empty split and a class without a train image fail it too.
-
-    Examples:
-
-    * `ddp datasets check demo`
-    * `ddp datasets check imagenet_s3 --split val --workers 32 --json`
-    """
-    if split not in ("train", "val", "all"):
-        raise ConfigError(f"--split {split}: use train, val or all")
-    with render.progress_bar(err.is_terminal and not as_json, f"checking {name}") as progress:
-        result = commands.datasets_check(name, registry, split, workers, progress)
-    if not (as_json and result["bad_files"]):  # with --json the error object carries the findings
-        emit(result, as_json, lambda: render.print_check(result))
-    if result["bad_files"]:
-        fail(f"{len(result['bad_files'])} bad file(s) in data set {name!r}; fix or remove them, or "
-             'train with data.on_bad_image = "skip"', DATA, as_json, result)
-
-
-@command(datasets_app, "pack")
-def datasets_pack(
-    name: DatasetArg,
-    to: Annotated[str, typer.Option(
-        "--to", metavar="PATH|s3://BUCKET/PREFIX",
-        help="A local folder or an S3 prefix (endpoint from AWS_ENDPOINT_URL).")],
-    split: SplitOpt = "all",
-    max_side: Annotated[int | None, typer.Option(
-        min=8, metavar="PX", help="Shrink images whose longer side is above this (aspect kept).")] = None,
-    quality: Annotated[int, typer.Option(
-        min=1, max=100, metavar="Q", help="JPEG quality of re-encoded images.")] = 90,
-    shard_size: Annotated[float, typer.Option(min=0.01, metavar="MIB", help="Largest shard, MiB.")] = 256,
-    workers: Annotated[int | None, typer.Option(
-        min=1, metavar="N", help="Threads reading and encoding (default: one per CPU).")] = None,
-    on_bad_image: Annotated[str, typer.Option(
-        metavar="error|skip", help="error: stop (exit 3) naming the file; skip: leave it out and list it in "
-        "the index.")] = "error",
-    registry: RegistryOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Pack a data set into tar shards (WebDataset convention) + an index: `layout = "shards"`.
-
-    Every image becomes an RGB JPEG (quirk files re-encoded, plain ones copied unless --max-side
-    shrinks them). --split all packs train, val and the entry's `unlabeled` split if it names one. A
-    killed pack resumes when run again with the same options; a shard is never visible half-written,
-    and the data set exists once index.json is written (last).
-
-    Examples:
-
-    * `ddp datasets pack imagenet_local --to /data/imagenet-256 --max-side 256`
-    * `ddp datasets pack imagenet_local --to s3://my-bucket/imagenet-shards --json`
-    """
-    split = one_of(split, ("train", "val", "all"), "--split")
-    settings = {"max_side": max_side, "quality": quality, "shard_mib": shard_size,
-                "on_bad_image": one_of(on_bad_image, ("error", "skip"), "--on-bad-image")}
-    with render.progress_bar(err.is_terminal and not as_json, f"packing {name}") as progress:
-        result = commands.datasets_pack(name, to, registry, split, settings, workers or os.cpu_count() or 1,
-                                        progress)
-    emit(result, as_json, lambda: render.print_pack(result))
-
-
-@command(datasets_app, "index")
-def datasets_index(
-    root: Annotated[str, typer.Argument(
-        metavar="ROOT", help="A folder or s3://BUCKET/PREFIX of tar shards; the index is written there.")],
-    split: Annotated[list[str] | None, typer.Option(
-        metavar="SPLIT=GLOB",
-        help="e.g. train='train-*.tar' (default: train=*train*.tar and val=*val*.tar).")] = None,
-    classes: Annotated[str | None, typer.Option(
-        metavar="FILE", help="A text file naming the classes, one per line, in label order (default: the "
-        "labels as names).")] = None,
-    as_json: JsonOpt = False,
-) -> None:
-    """Index tar shards written by the webdataset library (`.jpg` + `.cls`), so ddp trains on them.
-
-    Writes index.json and per split <split>-samples.npz (every image's shard, offset, size and
-    label; each shard's sha256). Point a registry entry with `layout = "shards"` at the folder.
-
-    Examples:
-
-    * `ddp datasets index /data/wds --split train='shard-train-*.tar' --split val='shard-val-*.tar'`
-    """
-    if split and not all("=" in item for item in split):
-        raise ConfigError("--split: write SPLIT=GLOB, e.g. --split train='train-*.tar'")
-    splits = dict(item.split("=", 1) for item in split) if split else {"train": "*train*.tar",
-                                                                       "val": "*val*.tar"}
-    with render.progress_bar(err.is_terminal and not as_json, f"indexing {root}") as progress:
-        result = commands.datasets_index(root, splits, classes, progress)
-    emit(result, as_json, lambda: render.print_index(result))
 
 
 @command(app)
@@ -409,7 +285,7 @@ def report(
     * `ddp report runs/demo-20261122-023101 --out curves.png --json`
     * `ddp report s3://my-bucket/runs/demo` (report.png uploaded beside the run)
     """
-    summary = commands.report(run_dir, out)
+    summary = reports.report(run_dir, out)
     emit(summary, as_json, lambda: render.print_report(summary))
 
 
@@ -422,42 +298,8 @@ def env(as_json: JsonOpt = False) -> None:
     * `ddp env`
     * `ddp env --json | jq .precision_auto`
     """
-    info = commands.env()
+    info = machine.env()
     emit(info, as_json, lambda: render.print_env(info))
-
-
-@command(config_app, "show")
-def config_show(
-    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Run config (TOML).")],
-    set_: SetOpt = None,
-    fmt: Annotated[str, typer.Option(
-        "--format", metavar="toml|json", help="toml (commented, every default) | json (one line).")] = "toml",
-) -> None:
-    """The resolved run config, every default written out (unset keys commented); reads no data.
-
-    Its TOML, saved to a file, trains the same run as CONFIG with those --set.
-
-    Examples:
-
-    * `ddp config show configs/resnet34.toml`
-    * `ddp config show configs/demo.toml --set train.epochs=2 > two-epochs.toml`
-    * `ddp config show configs/demo.toml --format json | jq .optim`
-    """
-    text = commands.config_show(config, set_ or [], fmt)
-    with stdout_may_close():
-        print(text)
-
-
-@command(config_app, "schema")
-def config_schema() -> None:
-    """The run config's JSON schema (for editors: completion, and unknown keys flagged as you type).
-
-    Examples:
-
-    * `ddp config schema > ddp-config.schema.json`
-    """
-    with stdout_may_close():
-        print(json.dumps(commands.config_schema(), indent=2))
 
 
 @command(app)
@@ -471,14 +313,8 @@ def init(
 
     * `ddp init mywork && cd mywork && ddp train demo.toml`
     """
-    result = commands.init(folder)
+    result = run_config.init(folder)
     emit(result, as_json, lambda: render.print_starter(result))
-
-
-def one_of(value: str, allowed: tuple[str, ...], flag: str) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{flag} {value}: use {' or '.join(allowed)}")
-    return value
 
 
 def topk_list(text: str) -> list[int]:

@@ -10,7 +10,8 @@ from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.data.pipeline.views import view_names
 from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.reduce import powersgd_warmup
-from ddp_cli.models.zoo import count_parameters, is_timm_pretrained
+from ddp_cli.models.weights import is_timm_pretrained
+from ddp_cli.models.zoo import count_parameters
 from ddp_cli.preflight import Preflight
 from ddp_cli.train.optim import param_groups
 from ddp_cli.train.schedules import lr_factor, warmup_steps

@@ -1,14 +1,16 @@
 """Models: built by name (torchvision's zoo, timm's, a user's own factory), fitted with weights, exported.
 May import config and the foundations (user_model and timm_model: the foundations only), export also train.
 
-Rooms: `zoo` builds and checks every model and does the fine-tuning surgery; `user_model` and
-`timm_model` locate a user's factory and timm's architectures and weights (config reads model names
-with them, so they sit below it); `export` writes a checkpoint's weights for other programs, with a
-model card.
+Rooms: `zoo` builds every model by name (`tweaks`: the fast recipe's surgery on it); `weights` finds and
+fits `model.weights`; `finetune` freezes modules and finds the head and a ViT's layers; `check` proves a
+model on the meta device before any worker starts; `user_model` and `timm_model` locate a user's factory
+and timm's architectures and weights (config reads model names with them, so they sit below it);
+`export` writes a checkpoint's weights for other programs, with a model card.
 
-The zoo's public names are handed on here (`ddp_cli.models.TinyResNet` is what an exported model card
+The public names are handed on here (`ddp_cli.models.TinyResNet` is what an exported model card
 names), imported on first use: importing config imports `user_model` and so runs this file, which must
-then import neither torch nor the zoo (which imports config).
+then import neither torch nor the zoo (which imports config). Inside the package, code imports the
+module that holds a name.
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-__all__ = ["TinyResNet", "build_model", "builder_kwargs", "check_model", "classifier_head", "freeze",
-           "hub_weights", "initial_weights", "is_weight_name", "known_models", "load_weights",
-           "read_weights", "tensors_on_meta", "vit_depth"]
+# each public name and the module that holds it
+HOMES = {
+    "TinyResNet": "zoo", "build_model": "zoo", "builder_kwargs": "zoo", "known_models": "zoo",
+    "hub_weights": "weights", "initial_weights": "weights", "is_weight_name": "weights",
+    "load_weights": "weights", "read_weights": "weights",
+    "classifier_head": "finetune", "freeze": "finetune", "vit_depth": "finetune",
+    "check_model": "check", "tensors_on_meta": "check",
+}
+__all__ = sorted(HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(import_module("ddp_cli.models.zoo"), name)
+    if name in HOMES:
+        return getattr(import_module(f"ddp_cli.models.{HOMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,10 +13,10 @@ from torch import nn
 from ddp_cli.config import RunConfig
 from ddp_cli.data.pipeline.loaders import build_loaders, eval_loader
 from ddp_cli.data.pipeline.transforms import normalising
+from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.io import write_text
-from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.jobs import Job
 from ddp_cli.train.checkpoint_model import load_trained
 from ddp_cli.train.eval_outputs import evaluation_record, write_confusion, write_evaluation, write_predictions

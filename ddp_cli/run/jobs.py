@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ddp_cli.config import RunConfig, config_from_dict
+from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.io import write_text
-from ddp_cli.registry import DatasetEntry
 
 
 @dataclass

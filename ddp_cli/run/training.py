@@ -17,17 +17,19 @@ from torch import nn
 from ddp_cli.config import RunConfig
 from ddp_cli.data.fetch.retry import IoPolicy
 from ddp_cli.data.pipeline.semi import build_semi_loaders
+from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
 from ddp_cli.errors import DdpError, WriteError
 from ddp_cli.models.export import export_checkpoint
-from ddp_cli.models.zoo import build_model, freeze, load_weights
+from ddp_cli.models.finetune import freeze
+from ddp_cli.models.weights import load_weights
+from ddp_cli.models.zoo import build_model
 from ddp_cli.observe.console import RunConsole
 from ddp_cli.observe.report import plot
 from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.observe.startup import StartupClock
-from ddp_cli.registry import DatasetEntry
 from ddp_cli.run.bucket import RunBucket
 from ddp_cli.run.jobs import Job
 from ddp_cli.run.mirror import BucketMirror

@@ -1,5 +1,5 @@
 """`ddp sweep`: a hyperparameter search on Optuna, each trial a whole `ddp train` run.
-May import config, registry, observe and the foundations (space.py and storage.py sit low, pruning.py
+May import config, data.registry, observe and the foundations (space.py and storage.py sit low, pruning.py
 below run/, whose workers import it; the loop and the report above run/); never run/ or cli/.
 
 space.py reads SPACE.toml against the run config's schema; pruning.py is the trial's side (each

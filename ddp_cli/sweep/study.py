@@ -25,11 +25,11 @@ import psutil
 
 from ddp_cli.config import RunConfig, apply_override, load_config
 from ddp_cli.config.model_names import is_user_model
+from ddp_cli.data.registry import load_registry
 from ddp_cli.errors import ConfigError, DdpError
 from ddp_cli.io import write_text
 from ddp_cli.observe.mlflow_sink import PARENT_ENV, MlflowSink
 from ddp_cli.observe.sinks import read_metrics
-from ddp_cli.registry import load_registry
 from ddp_cli.sweep import trials
 from ddp_cli.sweep.pruning import TRIAL_ENV, build_pruner
 from ddp_cli.sweep.report import BEST_CONFIG, best_trial, write_best_config, write_plots

@@ -16,7 +16,7 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, OptimConfig
 from ddp_cli.errors import ConfigError
-from ddp_cli.models.zoo import classifier_head, frozen_parameters, vit_depth, vit_layer
+from ddp_cli.models.finetune import classifier_head, frozen_parameters, vit_depth, vit_layer
 from ddp_cli.train.large_batch import Lamb, Lars
 
 

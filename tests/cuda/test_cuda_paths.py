@@ -84,9 +84,9 @@ def test_loaders_pin_memory_on_cuda_and_batches_reach_the_device(demo_registry):
     """The loaders a worker builds pin memory on CUDA; a batch arrives pinned and lands on the GPU
     (non_blocking copy) with the same values as on the CPU."""
     from ddp_cli.config import config_from_dict
+    from ddp_cli.data.index_build import resolve_dataset
     from ddp_cli.data.pipeline.loaders import Batch, build_loaders
     from ddp_cli.data.pipeline.transforms import to_model_input
-    from ddp_cli.index_build import resolve_dataset
 
     raw = tomllib.loads((REPO / "configs/demo.toml").read_text())
     raw["data"]["workers"] = 1  # a loader process: pinning happens in the main process's pin thread
@@ -114,10 +114,10 @@ def test_gpu_decode_renders_a_batch_on_the_gpu_without_a_sync_close_to_the_same_
     mode "error"; torchvision waits for its own decoding stream, which that mode does not see), and the
     images are within a few levels of the same batch rendered on the CPU (libjpeg-turbo's IDCT)."""
     from ddp_cli.config import AugmentConfig, config_from_dict
+    from ddp_cli.data.index_build import resolve_dataset
     from ddp_cli.data.pipeline.device_decode import DeferredBatch
     from ddp_cli.data.pipeline.loaders import build_loaders
     from ddp_cli.data.pipeline.transforms import to_model_input
-    from ddp_cli.index_build import resolve_dataset
 
     raw = tomllib.loads((REPO / "configs/demo.toml").read_text())
     raw["data"].update(workers=1, decode="gpu")

@@ -18,7 +18,8 @@ import torch
 from conftest import REPO, run_ddp
 from synthetic import write_registry
 
-from ddp_cli.cli import commands, main
+from ddp_cli.cli import main
+from ddp_cli.cli.commands import training
 from ddp_cli.run import launch
 
 DEMO = str(REPO / "configs/demo.toml")
@@ -107,8 +108,8 @@ def registry(demo_root, tmp_path_factory) -> Path:
 def tripwire(monkeypatch) -> list[str]:
     """What `train` started: it must start nothing (no run dir, no worker) for a bad input."""
     started: list[str] = []
-    monkeypatch.setattr(commands, "prepare_job", lambda folder, *a, **k: started.append(f"job {folder}"))
-    # commands imports `launch` when it launches (torch: not at start-up), so the tripwire sits in run.launch
+    monkeypatch.setattr(training, "prepare_job", lambda folder, *a, **k: started.append(f"job {folder}"))
+    # training imports `launch` when it launches (torch: not at start-up), so the tripwire sits in run.launch
     monkeypatch.setattr(launch, "launch", lambda folder, *a, **k: started.append(f"workers {folder}"))
     return started
 
@@ -152,7 +153,7 @@ def test_dry_run_and_train_refuse_alike_before_any_worker(case, registry, tripwi
 
 def test_a_good_config_gets_through_to_the_workers(registry, tripwire, monkeypatch, capsys, tmp_path):
     """The tripwire trips for a config preflight accepts: the table's refusals are preflight's."""
-    monkeypatch.setattr(commands, "read_result", lambda folder: {})
+    monkeypatch.setattr(training, "read_result", lambda folder: {})
     monkeypatch.setattr(sys, "argv", ["ddp", "train", DEMO, "--registry", str(registry), "--json",
                                       "--run-dir", str(tmp_path / "run")])
     for name, value in CLI_ENV.items():

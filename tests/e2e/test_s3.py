@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 
 from ddp_cli.cli import app
 from ddp_cli.data.fetch.storage import FileReader, cache_folder
+from ddp_cli.data.registry import load_registry
 from ddp_cli.errors import DataError
-from ddp_cli.registry import load_registry
 
 BUCKET = "ddp-test-data"
 runner = CliRunner()
@@ -255,7 +255,7 @@ def test_predict_reads_s3_objects_and_prefixes(s3_registry, s3_endpoint, trained
 
 def test_predict_names_a_missing_s3_input(s3_registry, s3_endpoint, trained_demo, aws):
     """Checked in the launcher, before any worker starts (`predict_inputs`): exit 3 naming it."""
-    from ddp_cli.cli.commands import predict_inputs
+    from ddp_cli.cli.commands.checkpoints import predict_inputs
     from ddp_cli.train.checkpoint_model import load_trained
 
     aws.setenv("AWS_ENDPOINT_URL", s3_endpoint)

@@ -14,8 +14,8 @@ from synthetic import write_registry
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
+from ddp_cli.data.registry import load_registry
 from ddp_cli.data.sources.layouts import build_index
-from ddp_cli.registry import load_registry
 
 # The demo's 32 px digits packed at a smaller side: what FFCV-style re-encoding does to ImageNet.
 MAX_SIDE = 16

@@ -20,10 +20,10 @@ from synthetic import encoded, image
 
 from ddp_cli.config import RunConfig, load_config
 from ddp_cli.data.pack.wds_index import _samples_bytes, index_shards
+from ddp_cli.data.registry import load_registry
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.shards import ShardInfo, ShardsIndex, SplitInfo, shards_table
 from ddp_cli.observe.report import summarize
-from ddp_cli.registry import load_registry
 from ddp_cli.train.checkpoint import CheckpointStore, save_checkpoint, write_manifest
 from ddp_cli.train.checkpoint_model import load_trained
 

@@ -21,7 +21,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from mutants import ABSURD
 
-from ddp_cli.cli.commands import writable
+from ddp_cli.cli.commands.checkpoints import writable
 from ddp_cli.cli.plan import image_sizes
 from ddp_cli.config import RunConfig, load_config
 from ddp_cli.data.pack.wds_index import index_shards

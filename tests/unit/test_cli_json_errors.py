@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ddp_cli.cli import app, commands, main
+from ddp_cli.cli import app, main
+from ddp_cli.cli.commands import datasets
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
 
@@ -62,7 +63,7 @@ def test_internal_error_exit_1_one_line_traceback_in_a_file(monkeypatch, demo_re
         raise RuntimeError("boom\n" + "  File 'deep.py', line 1, in frame\n" * 200)
 
     monkeypatch.delenv("DDP_DEBUG", raising=False)
-    monkeypatch.setattr(commands, "datasets_list", broken)
+    monkeypatch.setattr(datasets, "datasets_list", broken)
     result = invoke("datasets", "list", "--registry", str(demo_registry), "--json")
     assert result.exit_code == 1
     error = error_object(result.stdout, result.stderr, 1)

@@ -22,7 +22,7 @@ import atexit, json, os, sys
 import ddp_cli.fastexit as fastexit
 exit_now = fastexit.exit_now
 def report(code):
-    sys.stderr.write(json.dumps({m: m in sys.modules for m in ("torch", "ddp_cli.registry")}) + "\\n")
+    sys.stderr.write(json.dumps({m: m in sys.modules for m in ("torch", "ddp_cli.data.registry")}) + "\\n")
     exit_now(code)
 fastexit.exit_now = report
 from ddp_cli.cli import entry_point
@@ -43,14 +43,14 @@ def ddp_probe(*args: str) -> tuple[subprocess.CompletedProcess, dict[str, bool]]
 def test_help_and_version_load_neither_torch_nor_the_commands(args):
     result, imported = ddp_probe(*args)
     assert result.returncode == 0, result.stderr
-    assert imported == {"torch": False, "ddp_cli.registry": False}
+    assert imported == {"torch": False, "ddp_cli.data.registry": False}
 
 
 def test_datasets_list_goes_through_commands_without_torch(demo_registry):
     result, imported = ddp_probe("datasets", "list", "--registry", str(demo_registry), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])[0]["name"] == "demo"
-    assert imported == {"torch": False, "ddp_cli.registry": True}
+    assert imported == {"torch": False, "ddp_cli.data.registry": True}
 
 
 def test_the_console_script_names_the_entry_point():

@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO
 from typer.testing import CliRunner
 
-from ddp_cli.cli import app, commands
+from ddp_cli.cli import app
+from ddp_cli.cli.commands import datasets, training
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
 DEMO = str(REPO / "configs/demo.toml")
@@ -34,7 +35,7 @@ def launch_options(monkeypatch):
     def plan(cfg, build, opts, resume):
         return vars(opts)
 
-    monkeypatch.setattr(commands, "plan", plan)
+    monkeypatch.setattr(training, "plan", plan)
 
 
 def test_a_real_dry_run_in_torchruns_spelling_with_v_at_the_end(demo_registry, root_level):
@@ -86,7 +87,7 @@ def test_verbose_after_the_name_turns_on_debug_logging(monkeypatch, demo_registr
         seen.update(level=logging.getLogger().level, torch=os.environ["LOGLEVEL"])
         return []
 
-    monkeypatch.setattr(commands, "datasets_list", listing)
+    monkeypatch.setattr(datasets, "datasets_list", listing)
     assert invoke("datasets", "list", "--registry", str(demo_registry), "--json").exit_code == 0
     assert seen["torch"] == "CRITICAL"  # quiet without -v
     assert invoke("datasets", "list", "--registry", str(demo_registry), "--json", "--verbose").exit_code == 0

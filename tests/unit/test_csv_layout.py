@@ -14,11 +14,11 @@ from synthetic import CSV_CLASSES, make_csv_listed, plant, write_listing, write_
 
 from ddp_cli.data.fetch.storage import UNSAFE_PATH
 from ddp_cli.data.pipeline.check import check_dataset
+from ddp_cli.data.registry import load_registry
 from ddp_cli.data.sources.csv_layout import CsvListing
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.registry import load_registry
 
 FS = fsspec.filesystem("file")
 NAMES = sorted(CSV_CLASSES)  # ant, moth, zebra

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ddp_cli.cli import app
 from ddp_cli.data.pipeline.check import check_dataset
-from ddp_cli.registry import load_registry
+from ddp_cli.data.registry import load_registry
 
 runner = CliRunner()
 TRAIN = "ILSVRC/Data/CLS-LOC/train"

@@ -302,9 +302,8 @@ def test_a_refused_write_no_wrapper_named_is_exit_6_not_a_bug(tmp_path, capsys):
                          ids=["sgd-momentum", "sgd", "adamw-ema"])
 def test_the_preflight_estimate_of_a_checkpoint_is_its_size_on_disk(tmp_path, sets):
     """What the disk-room warning multiplies: within 10% (and a few kB of pickle) of a real save."""
-    from ddp_cli.cli.preflight import checkpoint_bytes
-
     from ddp_cli.config import RunConfig
+    from ddp_cli.preflight import checkpoint_bytes
     from ddp_cli.train.ema import EmaModel
     from ddp_cli.train.optim import build_optimizer
 
@@ -323,7 +322,7 @@ def test_the_preflight_estimate_of_a_checkpoint_is_its_size_on_disk(tmp_path, se
 
 def test_preflight_warns_when_the_run_dirs_disk_has_less_room_than_the_checkpoints(tmp_path, monkeypatch,
                                                                                     caplog):
-    from ddp_cli.cli import preflight
+    from ddp_cli import preflight
     from ddp_cli.config import RunConfig
 
     run = SimpleNamespace(cfg=RunConfig().resolved({"checkpoint.keep_last": 3, "train.ema_decay": 0}),

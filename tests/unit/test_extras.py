@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from ddp_cli.config import LoggingConfig
+from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.demo import load_digits
 from ddp_cli.errors import USAGE, ConfigError, require_extra
 from ddp_cli.observe.report import plot, summarize
 from ddp_cli.observe.sinks import check_sinks
-from ddp_cli.registry import DatasetEntry
 
 
 @pytest.fixture

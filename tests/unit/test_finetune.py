@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torchvision
-from ddp_cli.cli.preflight import with_weights_path
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
@@ -29,6 +28,7 @@ from ddp_cli.models import (
     tensors_on_meta,
 )
 from ddp_cli.models.export import builder
+from ddp_cli.preflight import with_weights_path
 from ddp_cli.train.large_batch import Lamb, Lars
 from ddp_cli.train.optim import build_optimizer, param_groups
 from ddp_cli.train.schedules import build_scheduler, lr_factor

@@ -17,6 +17,7 @@ from conftest import ddp_in_process
 from synthetic import image, make_imagefolder, write_hf_parquet, write_registry
 
 from ddp_cli.config import DataConfig, RunConfig, SemiConfig, config_from_dict
+from ddp_cli.data.index_build import resolve_dataset
 from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.data.pipeline.semi import (
     UnlabelledStream,
@@ -30,7 +31,6 @@ from ddp_cli.data.pipeline.views import TwoViews, cutout
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError
-from ddp_cli.index_build import resolve_dataset
 from ddp_cli.train.fixmatch import fixmatch_loss, pseudo_labels, summary
 from tests.resolved import resolved
 

@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 from conftest import CLI_ENV
-from ddp_cli.cli.preflight import launch_workers
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app, envinfo
-from ddp_cli.cli.commands import auto_choices
+from ddp_cli.cli.commands.machine import auto_choices
 from ddp_cli.config import DistributedConfig, RunConfig, TrainConfig
 from ddp_cli.distributed import gpus
 from ddp_cli.errors import ConfigError
+from ddp_cli.preflight import launch_workers
 from ddp_cli.run.launch import LaunchOptions
 
 H100 = [gpus.Gpu(i, "NVIDIA H100 80GB HBM3", f"GPU-{i:04d}aaaa", 79.6, (9, 0)) for i in range(8)]

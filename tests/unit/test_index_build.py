@@ -13,7 +13,7 @@ import pytest
 from synthetic import make_imagenet_loc, write_registry
 
 from ddp_cli.config import RunConfig
-from ddp_cli.index_build import IndexBuild
+from ddp_cli.data.index_build import IndexBuild
 
 
 def run_fresh(code: str) -> dict:
@@ -33,7 +33,7 @@ def test_the_child_builds_the_same_index_and_passes_errors_back_whole(tmp_path):
         import json, os, sys
         from ddp_cli.config import RunConfig
         from ddp_cli.errors import DdpError
-        from ddp_cli.index_build import IndexBuild
+        from ddp_cli.data.index_build import IndexBuild
 
         def attempt(dataset):
             cfg = RunConfig.model_validate({{"data": {{"dataset": dataset}}}})

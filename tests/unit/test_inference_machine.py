@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CLI_ENV
-from ddp_cli.cli.preflight import validation_workers
 from typer.testing import CliRunner
 
-from ddp_cli.cli import app, commands
+from ddp_cli.cli import app
+from ddp_cli.cli.commands import checkpoints
 from ddp_cli.config import RunConfig
 from ddp_cli.errors import ConfigError
 from ddp_cli.models import TinyResNet
+from ddp_cli.preflight import validation_workers
 from ddp_cli.run.launch import LaunchOptions
 from ddp_cli.train import precision
 from ddp_cli.train.checkpoint import save_checkpoint
@@ -42,7 +43,7 @@ def no_gpu(monkeypatch):
 
 def test_an_fp16_nccl_checkpoint_runs_on_a_cpu_machine(tmp_path, no_gpu):
     trained = gpu_checkpoint(tmp_path / "c.pt")
-    cfg = commands.inference_config(trained, None, None)
+    cfg = checkpoints.inference_config(trained, None, None)
     assert (cfg.distributed.backend, cfg.train.precision) == ("auto", "auto")
     workers, _ = validation_workers(cfg, 3, LaunchOptions(nproc_per_node=1))  # refused (exit 2) before
     assert (workers.backend, workers.device) == ("gloo", "cpu")
@@ -53,20 +54,21 @@ def test_an_fp16_nccl_checkpoint_runs_on_a_cpu_machine(tmp_path, no_gpu):
 def test_bf16_is_kept_where_this_cpu_computes_it(tmp_path, no_gpu, monkeypatch, native, expected):
     monkeypatch.setattr(precision, "native_bf16", lambda device: native)
     trained = gpu_checkpoint(tmp_path / "c.pt", "bf16")
-    assert commands.inference_config(trained, None, None).train.precision == expected
+    assert checkpoints.inference_config(trained, None, None).train.precision == expected
 
 
 def test_fp16_is_kept_on_a_gpu_machine(tmp_path, monkeypatch):
     monkeypatch.setattr("ddp_cli.distributed.setup.cuda_devices", lambda: 2)
-    assert commands.inference_config(gpu_checkpoint(tmp_path / "c.pt"), None, None).train.precision == "fp16"
+    trained = gpu_checkpoint(tmp_path / "c.pt")
+    assert checkpoints.inference_config(trained, None, None).train.precision == "fp16"
 
 
 def test_precision_flag_overrides_and_fp16_without_a_gpu_names_the_flag(tmp_path, no_gpu):
     trained = gpu_checkpoint(tmp_path / "c.pt")
-    assert commands.inference_config(trained, 16, None, "fp32").train.precision == "fp32"
-    assert commands.inference_config(trained, 16, None, "bf16").data.batch_size == 16
+    assert checkpoints.inference_config(trained, 16, None, "fp32").train.precision == "fp32"
+    assert checkpoints.inference_config(trained, 16, None, "bf16").data.batch_size == 16
     with pytest.raises(ConfigError, match="--precision fp16: needs a CUDA GPU"):
-        commands.inference_config(trained, None, None, "fp16")
+        checkpoints.inference_config(trained, None, None, "fp16")
 
 
 def test_such_a_checkpoint_exports_on_the_cpu(tmp_path, no_gpu):

@@ -11,9 +11,9 @@ import socket
 from types import SimpleNamespace
 
 import pytest
-from ddp_cli.cli.preflight import launch_workers
 
 from ddp_cli.config import DistributedConfig, RunConfig
+from ddp_cli.preflight import launch_workers
 from ddp_cli.run import launch, logenv, network
 from ddp_cli.run.launch import LaunchOptions
 

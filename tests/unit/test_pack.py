@@ -15,10 +15,10 @@ from PIL import Image
 from synthetic import append_line, make_imagenet_loc, plant, write_registry
 
 from ddp_cli.data.pack.writer import Packer, PackOptions, Source, pack, pack_index
+from ddp_cli.data.registry import load_registry
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.shards import INDEX, read_index, read_samples
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.registry import load_registry
 
 TRAIN = "ILSVRC/Data/CLS-LOC/train/n00001001"
 QUIRKS = {f"{TRAIN}/n00001001_0.JPEG": "cmyk", f"{TRAIN}/n00001001_1.JPEG": "gray",

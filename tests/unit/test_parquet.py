@@ -412,7 +412,7 @@ def test_the_reader_refuses_a_file_name_that_could_leave_the_root(hub):
 def test_predict_dataset_reads_a_parquet_split_with_the_checkpoints_classes(hub, tmp_path):
     from types import SimpleNamespace
 
-    from ddp_cli.cli.commands import predict_inputs
+    from ddp_cli.cli.commands.checkpoints import predict_inputs
     from ddp_cli.config import RunConfig
 
     registry = write_registry(tmp_path, [{"name": "hub", "layout": "parquet",

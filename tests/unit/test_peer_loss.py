@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_cli.cli.commands import resume_command
+from ddp_cli.cli.commands.training import resume_command
 from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed import heartbeat
 from ddp_cli.distributed.heartbeat import Heartbeat, describe_loss

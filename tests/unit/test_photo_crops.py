@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddp_cli.registry import load_registry
+from ddp_cli.data.registry import load_registry
 
 pytest.importorskip("skimage")
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddp_cli.cli import preflight
+from ddp_cli import preflight
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.data.pipeline.autotune import LoaderChoice
 from ddp_cli.distributed.setup import DistContext

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from synthetic import make_imagefolder, make_imagenet_loc, write_julia_registry, write_registry
 
+from ddp_cli.data.registry import find_registry, load_registry
 from ddp_cli.data.sources.layouts import LAYOUTS, build_index
 from ddp_cli.errors import ConfigError, DataError
-from ddp_cli.registry import find_registry, load_registry
 
 
 def entry(name: str, path: str = "data", **extra) -> dict:

@@ -209,7 +209,7 @@ def test_a_node_other_than_rank_0s_uploads_its_ranks_logs_only(run_url, tmp_path
 def test_checkpoint_dir_is_the_run_dir_where_no_flag_gives_one(flag, configured, expected, monkeypatch):
     from contextlib import contextmanager
 
-    from ddp_cli.cli import commands
+    from ddp_cli.cli.commands import training
     from ddp_cli.config import load_config
 
     @contextmanager
@@ -217,11 +217,11 @@ def test_checkpoint_dir_is_the_run_dir_where_no_flag_gives_one(flag, configured,
         yield load_config(config, overrides), None
 
     seen = []
-    monkeypatch.setattr(commands, "indexed", indexed)
-    monkeypatch.setattr(commands, "launch_training", lambda cfg, build, run_dir, *rest: seen.append(run_dir))
+    monkeypatch.setattr(training, "indexed", indexed)
+    monkeypatch.setattr(training, "launch_training", lambda cfg, build, run_dir, *rest: seen.append(run_dir))
     sets = [f"checkpoint.dir={configured}"] if configured else []
-    train = lambda: commands.train(REPO / "configs/demo.toml", sets, None, flag,  # noqa: E731
-                                   commands.LaunchFlags(), "auto", True)
+    train = lambda: training.train(REPO / "configs/demo.toml", sets, None, flag,  # noqa: E731
+                                   training.LaunchFlags(), "auto", True)
     if expected is ConfigError:
         with pytest.raises(ConfigError, match="checkpoint.dir gs://b/r: ddp writes runs to a folder or"):
             train()

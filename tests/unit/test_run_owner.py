@@ -158,7 +158,7 @@ def test_a_renewal_whose_answer_was_lost_keeps_the_lock(tmp_path, monkeypatch):
 def test_validate_holds_the_run_dir_its_files_land_in(tmp_path):
     """`validate --predictions/--confusion/--per-class` into a run dir (known by its metrics.jsonl or
     its lock) holds it as a run would; a file elsewhere holds nothing."""
-    from ddp_cli.cli.commands import run_dir_of
+    from ddp_cli.cli.commands.run_dirs import run_dir_of
 
     run = tmp_path / "run"
     (run / "evaluations").mkdir(parents=True)
@@ -168,7 +168,7 @@ def test_validate_holds_the_run_dir_its_files_land_in(tmp_path):
     assert run_dir_of(tmp_path / "elsewhere" / "predictions.csv") is None
     held = take(FileLock(run), "--run-dir R")
     try:
-        from ddp_cli.cli.commands import owned
+        from ddp_cli.cli.commands.run_dirs import owned
 
         with pytest.raises(ConfigError, match="--predictions into run dir .*: owned by a live run"), \
                 owned(run, True, "--predictions into run dir"):

@@ -15,8 +15,8 @@ from ddp_cli.data.fetch.shard_reader import ShardReader
 from ddp_cli.data.pack.writer import PackOptions, Source, pack
 from ddp_cli.data.pipeline.loaders import ImageDataset
 from ddp_cli.data.pipeline.transforms import ValTransform
+from ddp_cli.data.registry import load_registry
 from ddp_cli.data.sources.layouts import build_index
-from ddp_cli.registry import load_registry
 
 
 @pytest.fixture(scope="module")

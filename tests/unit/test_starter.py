@@ -10,8 +10,8 @@ from conftest import REPO
 
 from ddp_cli.cli.starter import template, write_starter
 from ddp_cli.config import load_config
+from ddp_cli.data.registry import load_registry
 from ddp_cli.errors import USAGE, ConfigError
-from ddp_cli.registry import load_registry
 
 
 def test_the_shipped_templates_are_the_checkouts_demo_config_and_registry():

@@ -20,11 +20,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ddp_cli.config import RunConfig
+from ddp_cli.data.registry import DatasetEntry, load_registry
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.data.sources.unlabeled import UNLABELED, unlabeled_split
 from ddp_cli.errors import ConfigError, DdpError
-from ddp_cli.registry import DatasetEntry, load_registry
 
 
 def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | None = None,
