@@ -1,10 +1,10 @@
-"""The run config: typed TOML sections, every key described, unknown keys refused; and the one pass
-that resolves it for a run.
+"""The run config: typed TOML sections, every key described, unknown keys refused; its one resolve pass.
+May import only the foundations (errors, userfiles): the facts it resolves from are handed in.
 
 `load_config(path, overrides)` reads what the user asked (every mistake a `ConfigError` naming the
-file and the key); `resolve(cfg, facts)` (resolve.py) makes it the run's: every "auto" concrete and
-every derived key filled, once, by preflight. Rooms: `section` (the base), `data`, `model`, `train`
-and `run` (the sections; `run` the root and the rules across sections), `model_names` (the syntax of
+file and the key); `resolve.resolve(cfg, facts)` makes it the run's: every "auto" concrete and every
+derived key filled, once, by preflight. Rooms: `section` (the base), `data`, `model`, `train` and
+`run` (the sections; `run` the root and the rules across sections), `model_names` (the syntax of
 model.name), `load` (the file and `--set`), `errors` (pydantic's errors as one line), `resolve`,
 `reference` (the docs' config page).
 """
