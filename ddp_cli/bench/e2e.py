@@ -34,6 +34,7 @@ from statistics import median
 
 from ddp_cli.bench.data import machine
 from ddp_cli.config import RunConfig, config_from_dict, load_config
+from ddp_cli.config.resolve import autos
 from ddp_cli.data.registry import find_registry, load_registry
 from ddp_cli.errors import DataError
 from ddp_cli.run.launch import LaunchOptions, resolve_nproc
@@ -87,8 +88,10 @@ def run_ddp(config: Path, registry: Path, cfg: RunConfig, run_dir: Path, target:
 
 
 def loader_processes(config: Path, registry: Path, cfg: RunConfig) -> int:
-    """data.workers as ddp's run has it (resolved by its dry run), for the baseline to load with as many
-    processes."""
+    """data.workers as ddp's run has it: as set, or resolved by its dry run, for the baseline to load with
+    as many processes."""
+    if "data.workers" not in autos(cfg):
+        return cfg.data.workers
     _, out = run_timed([sys.executable, "-m", "ddp_cli", "train", str(config), "--registry", str(registry),
                         "--set", f"train.epochs={cfg.train.epochs}", "--dry-run", "--json"])
     return json.loads(out.strip().splitlines()[-1])["data_workers"]["workers"]

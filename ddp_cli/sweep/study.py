@@ -28,6 +28,7 @@ from ddp_cli.config.model_names import is_user_model
 from ddp_cli.data.registry import load_registry
 from ddp_cli.errors import ConfigError, DdpError
 from ddp_cli.io import write_text
+from ddp_cli.models.user_model import with_located_model
 from ddp_cli.observe.mlflow_sink import PARENT_ENV, MlflowSink
 from ddp_cli.observe.sinks import read_metrics
 from ddp_cli.sweep import trials
@@ -162,7 +163,7 @@ def objective_value(run_dir: Path, space: Space) -> float | None:
 class Sweep:
     def __init__(self, opts: SweepOptions, progress: Callable[[dict[str, Any]], None]) -> None:
         self.opts, self.progress = opts, progress
-        self.base = load_config(opts.config, opts.overrides)
+        self.base = with_located_model(load_config(opts.config, opts.overrides), opts.config)
         self.space = load_space(opts.space, self.base)  # every check made before any trial
         load_registry(opts.registry).get(self.base.data.dataset)
         self.where = place(opts, self.base)

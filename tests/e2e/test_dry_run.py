@@ -12,7 +12,7 @@ from conftest import REPO, ddp_in_process, last_json
 from synthetic import make_imagenet_loc, write_registry
 
 from ddp_cli.data.pipeline.autotune import choose_prefetch, choose_workers, cores_per_rank
-from ddp_cli.train.precision import resolve_precision
+from ddp_cli.train.precision import native_precision
 
 # the run configs, not a sweep's space beside one (*-space.toml)
 CONFIGS = sorted(p for p in (REPO / "configs").glob("*.toml") if not p.name.endswith("-space.toml"))
@@ -55,7 +55,7 @@ def test_the_fast_recipe_plans_its_ramp_and_its_lr(tiny):
     plan = last_json(result)
     assert plan["image_size"] == {"train from epoch 1": 160, "train from epoch 33": 192, "val": 256}
     assert plan["lr"] == pytest.approx(0.10625 * 2 / 256)
-    native = resolve_precision("auto", torch.device("cpu"))  # "auto" resolved for this machine
+    native = native_precision(torch.device("cpu"))  # "auto" resolved for this machine
     assert (plan["precision"], plan["channels_last"], plan["schedule"]) == (native, True, "poly")
     assert plan["warmup_steps"] == 2 * plan["steps_per_epoch"]
     assert plan["lr_schedule"][f"step {plan['warmup_steps']} (warmup done)"] == pytest.approx(plan["lr"])

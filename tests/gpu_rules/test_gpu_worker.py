@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from replicas import CLASSES
 
+from ddp_cli.config.resolve import Facts, resolve
 from ddp_cli.distributed import setup
 from ddp_cli.distributed.setup import DistContext, choose_device
 from ddp_cli.observe.startup import StartupClock
@@ -60,6 +61,7 @@ def test_a_training_job_runs_its_epoch_on_the_gpu(gpu, worker_env, monkeypatch, 
     monkeypatch.setattr(training, "build_semi_loaders", loaders_recording(pins))
     monkeypatch.setattr(training, "build_model", lambda *args: tiny_net())
     cfg = gpu_config(train={"ema_decay": 0.9, "precision": "bf16"}, model={"channels_last": True})
+    cfg = resolve(cfg, Facts("cuda", "bf16", WORLD, 2))  # as preflight hands it to the workers
     ctx = DistContext(RANK, WORLD, RANK, WORLD, choose_device("nccl", RANK), "nccl")
     with gpu.host_reads():
         writes = writes_folder(tmp_path, ctx)  # who writes the run dir: a broadcast and a barrier

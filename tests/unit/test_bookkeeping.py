@@ -13,6 +13,7 @@ from ddp_cli.train.fixmatch import SUMS
 from ddp_cli.train.objectives import on_device
 from ddp_cli.train.records import EpochEnd, row
 from ddp_cli.train.running import RunningSums
+from tests.resolved import resolved
 
 CPU = torch.device("cpu")
 
@@ -123,7 +124,7 @@ def test_the_trainer_writes_each_record_through_one_row_helper(one_rank):
 
     cfg, rows = make_config({}), Rows()
     told = []
-    trainer = Trainer(cfg, DistContext(0, 1, 0, 1, CPU, "gloo"), build_model(cfg.model, CLASSES),
+    trainer = Trainer(resolved(cfg, 4), DistContext(0, 1, 0, 1, CPU, "gloo"), build_model(cfg.model, CLASSES),
                       Loaders(None, [], None), 4, metrics=rows,
                       on_validation=lambda totals, epoch: told.append(epoch))
     trainer.state.step = 9

@@ -146,3 +146,16 @@ def test_resume_schedule_rescales_the_peak_and_continues_at_the_step():
     optimizer.step()
     scheduler.step()  # and the schedule goes on from there
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.04, 0.02])
+
+
+def test_a_run_from_before_ema_bn_epochs_is_migrated_to_say_it_trained_without():
+    """A training checkpoint whose config has no train.ema_bn_epochs was written before the key: its run
+    never recomputed the EMA's statistics, and its migrated config says so (0); one that has the key, or a
+    bare set of weights, keeps what it holds."""
+    old = {"format_version": 3, "rng": [None], "config": {"train": {"epochs": 8}}}
+    assert migrate(old)["config"]["train"] == {"epochs": 8, "ema_bn_epochs": 0}
+    assert old["config"]["train"] == {"epochs": 8}  # the loaded state is not edited in place
+    new = {"format_version": 3, "rng": [None], "config": {"train": {"epochs": 8, "ema_bn_epochs": 2}}}
+    assert migrate(new)["config"]["train"]["ema_bn_epochs"] == 2
+    weights = {"format_version": 3, "config": {"train": {"epochs": 8}}}
+    assert "ema_bn_epochs" not in migrate(weights)["config"]["train"]

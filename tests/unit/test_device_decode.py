@@ -18,7 +18,7 @@ from ddp_cli.cli.plan import augmentation as plan_augmentation
 from ddp_cli.config import AugmentConfig, DataConfig, RunConfig
 from ddp_cli.data.pipeline import device_decode
 from ddp_cli.data.pipeline.augment import augmentation, train_transform
-from ddp_cli.data.pipeline.device_decode import DeferredBatch, collate_images, decode_choice
+from ddp_cli.data.pipeline.device_decode import DeferredBatch, collate_images, decodes_on
 from ddp_cli.data.pipeline.images import open_image
 from ddp_cli.data.pipeline.loaders import ImageDataset, collate
 from ddp_cli.data.pipeline.transforms import Deferred
@@ -234,15 +234,12 @@ def test_the_render_is_batched_a_few_operations_an_image_not_a_resize_each():
     assert (operations(24) - operations(6)) / 18 <= 8
 
 
-def test_auto_decodes_on_the_gpu_where_workers_train_on_cuda_and_torchvision_can(monkeypatch):
-    cfg = RunConfig()
+def test_workers_decode_on_the_gpu_where_they_train_on_cuda_and_torchvision_can(monkeypatch):
+    """The fact data.decode "auto" resolves from (config.resolve; test_resolve.py has the rule)."""
     monkeypatch.setattr(device_decode.torchvision.version, "cuda", "12.8")
-    assert decode_choice(cfg, "cuda") == "gpu" and decode_choice(cfg, "cpu") == "cpu"
-    bicubic = cfg.resolved({"augment.policy": "randaugment", "augment.interpolation": "bicubic"})
-    assert decode_choice(bicubic, "cuda") == "cpu"
+    assert decodes_on("cuda") and not decodes_on("cpu")
     monkeypatch.setattr(device_decode.torchvision.version, "cuda", None)
-    assert decode_choice(cfg, "cuda") == "cpu"
-    assert decode_choice(cfg.resolved({"data.decode": "gpu"}), "cpu") == "gpu"  # as asked: the CPU stand-in
+    assert not decodes_on("cuda")
 
 
 def test_gpu_decode_with_a_bicubic_policy_is_refused_naming_the_keys():

@@ -12,14 +12,14 @@ from replicas import CLASSES, make_config
 from synthetic import make_imagenet_loc
 from torch import nn
 
-from ddp_cli.config import DataConfig
+from ddp_cli.config import DataConfig, config_from_dict
 from ddp_cli.data.pipeline.loaders import Batch, Loaders, build_loaders, calibration_loader
 from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.models import build_model
-from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
+from ddp_cli.train.checkpoint import FORMAT_VERSION, Checkpointer, CheckpointStore, migrate
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.trainer import Trainer
 from tests.resolved import resolved
@@ -171,20 +171,25 @@ def test_without_a_sample_or_an_ema_nothing_is_recalibrated(one_rank, tmp_path):
     ({"epochs": 8}, {}, 0),                        # a checkpoint from before the key: off
     ({"epochs": 8, "ema_bn_epochs": 4}, {}, 8),    # one that has it: as the config says ("auto": all 8 here)
     ({"epochs": 8}, {"ema_bn_epochs": 1}, 0),      # before the key: off, whatever the config says now
-    ({"epochs": 8}, {"ema_bn_epochs": 0}, 0),      # off already: still marked, for a later resume that asks
+    ({"epochs": 8, "ema_bn_epochs": 0}, {}, 0),    # trained without: goes on without
 ])
-def test_a_run_from_before_the_key_resumes_as_it_trained(one_rank, tmp_path, trained_with, given, epochs):
-    """Its checkpoints from then on leave the key out too, so that every later resume keeps it off."""
+def test_a_run_that_trained_without_recomputing_resumes_without(one_rank, tmp_path, trained_with, given,
+                                                                epochs):
+    """`migrate` gives a checkpoint from before the key `ema_bn_epochs = 0` (how it trained); the Trainer
+    follows the checkpoint's config (`config.resolve.resume`) and writes that 0 into its own checkpoints,
+    so every later resume keeps it off."""
     cfg = make_config({"data": {"batch_size": 2, "image_size": 32}, "train": {"epochs": 8, **given}})
     run = trainer(cfg, tmp_path, [batch(30)])
-    run.checkpointer.meta = {"config": cfg.model_dump(mode="json")}
-    run.keep_ema_bn_of(trained_with)
+    run.checkpointer.meta = {"config": run.cfg.model_dump(mode="json")}
+    written = {**cfg.model_dump(mode="json"), "train": trained_with}
+    trained = migrate({"rng": [None], "config": written, "format_version": FORMAT_VERSION})["config"]
+    run.follow_trained(config_from_dict(trained))
     assert run.ema_bn_epochs == epochs
-    assert ("ema_bn_epochs" in run.checkpointer.meta["config"]["train"]) == ("ema_bn_epochs" in trained_with)
+    assert (run.checkpointer.meta["config"]["train"]["ema_bn_epochs"] == 0) == (epochs == 0)
     asks = make_config({"data": {"batch_size": 2, "image_size": 32},
                         "train": {"epochs": 8, "ema_bn_epochs": 1}})
     again = trainer(asks, tmp_path, [batch(30)])
-    again.keep_ema_bn_of(run.checkpointer.meta["config"]["train"])  # the next resume, from those checkpoints
+    again.follow_trained(config_from_dict(run.checkpointer.meta["config"]))  # the next resume, from those
     assert again.ema_bn_epochs == min(epochs, 1)
 
 

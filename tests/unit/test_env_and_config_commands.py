@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from ddp_cli.cli import app
 from ddp_cli.config import RunConfig, load_config
-from ddp_cli.train.precision import resolve_precision
+from ddp_cli.train.precision import native_precision
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
 # the run configs, not a sweep's space beside one (*-space.toml)
@@ -51,7 +51,7 @@ def test_env_json_reports_this_cpus_bf16_and_what_auto_picks():
     assert info["backends"]["nccl"] is torch.distributed.is_nccl_available()
     if not torch.cuda.is_available():
         assert info["gpus"] == [] and info["backend_auto"] == "gloo" and info["nproc_per_node_auto"] == 1
-        assert info["precision_auto"] == resolve_precision("auto", torch.device("cpu"))
+        assert info["precision_auto"] == native_precision(torch.device("cpu"))
         assert info["precision_auto"] == ("bf16" if native else "fp32")
 
 

@@ -61,7 +61,7 @@ def states() -> dict[str, dict[str, torch.Tensor]]:
 
 def write_checkpoint(path: Path, states: dict[str, dict[str, torch.Tensor]], ema: bool = True) -> Path:
     cfg = RunConfig(name="tiny", data={"dataset": "tiny", "image_size": SIZE, "val_resize": RESIZE},
-                    model={"name": "resnet18"})
+                    model={"name": "resnet18"}, checkpoint={"best_metric": "ema_top1"})  # as resolved
     save_checkpoint({
         "config": cfg.model_dump(mode="json"), "classes": CLASSES, "descriptions": DESCRIPTIONS,
         "dataset": DATASET,

@@ -164,7 +164,8 @@ def eight_h100s(monkeypatch):
 
 def test_the_launcher_places_gpu_workers_without_initialising_cuda(eight_h100s):
     workers = launch_workers(RunConfig(train=TrainConfig(precision="auto")), LaunchOptions())
-    assert (workers.nproc, workers.backend, workers.device, workers.precision) == (8, "nccl", "cuda", "bf16")
+    assert (workers.nproc, workers.backend, workers.device, workers.native_precision) == (
+        8, "nccl", "cuda", "bf16")
     assert auto_choices() == {"precision_auto": "bf16", "backend_auto": "nccl", "nproc_per_node_auto": 8}
     assert [g["capability"] for g in envinfo.gpus()] == ["9.0"] * 8
 
@@ -182,6 +183,6 @@ def test_bf16_support_of_older_gpus_is_read_from_the_driver_too(monkeypatch):
     turing = [gpus.Gpu(0, "Tesla T4", "GPU-t4", 15.0, (7, 5))]
     monkeypatch.setattr(gpus, "read_nvml", lambda lib=None: gpus.Nvml("550.54.15", (12, 4), turing))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    from ddp_cli.train.precision import resolve_precision
+    from ddp_cli.train.precision import native_precision
 
-    assert resolve_precision("auto", torch.device("cuda", 0)) == "fp32"
+    assert native_precision(torch.device("cuda", 0)) == "fp32"

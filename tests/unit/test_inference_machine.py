@@ -47,7 +47,7 @@ def test_an_fp16_nccl_checkpoint_runs_on_a_cpu_machine(tmp_path, no_gpu):
     assert (cfg.distributed.backend, cfg.train.precision) == ("auto", "auto")
     workers, _ = validation_workers(cfg, 3, LaunchOptions(nproc_per_node=1))  # refused (exit 2) before
     assert (workers.backend, workers.device) == ("gloo", "cpu")
-    assert workers.precision == precision.resolve_precision("auto", torch.device("cpu"))
+    assert workers.native_precision == precision.native_precision(torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("native", "expected"), [(True, "bf16"), (False, "auto")])

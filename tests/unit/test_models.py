@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ddp_cli.config import RunConfig, config_from_dict
+from ddp_cli.config.resolve import Facts, resolve
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.models import (
     build_model,
@@ -17,14 +18,17 @@ from ddp_cli.models import (
     read_weights,
     tensors_on_meta,
 )
+from ddp_cli.models.families import takes_any_size
 from ddp_cli.train.checkpoint import save_checkpoint
 
 NATIVE_SIZE = {"inception_v3": 299}  # torchvision's training size, where it is not 224
 
 
 def run_config(name: str, size: int = 224, **data) -> RunConfig:
-    return config_from_dict({"model": {"name": name}, "train": {"epochs": 4},
-                             "data": {"image_size": size, **data}})
+    """Resolved as preflight hands it to `check_model`: the sizes the run will use are known."""
+    cfg = config_from_dict({"model": {"name": name}, "train": {"epochs": 4},
+                            "data": {"image_size": size, **data}})
+    return resolve(cfg, Facts(takes_any_size=takes_any_size(name)))
 
 
 def test_every_torchvision_classifier_builds_with_the_data_sets_class_count():

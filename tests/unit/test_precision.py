@@ -22,27 +22,27 @@ def test_auto_is_bf16_only_where_the_cpu_has_it(monkeypatch, flags, expected):
     real = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: f"flags\t\t: {flags}\n"
                         if str(self) == "/proc/cpuinfo" else real(self, *a, **k))
-    assert precision.resolve_precision("auto", CPU) == expected
+    assert precision.native_precision(CPU) == expected
 
 
 @pytest.mark.parametrize(("told", "expected"), [("native", "bf16"), ("emulated", "fp32")])
 def test_ddp_cpu_bf16_makes_auto_resolve_as_on_the_other_kind_of_cpu(monkeypatch, told, expected):
     monkeypatch.setenv("DDP_CPU_BF16", told)
-    assert precision.resolve_precision("auto", CPU) == expected
+    assert precision.native_precision(CPU) == expected
 
 
 def test_a_misspelt_ddp_cpu_bf16_is_one_line_naming_it(monkeypatch):
     monkeypatch.setenv("DDP_CPU_BF16", "yes")
     with pytest.raises(ConfigError, match='DDP_CPU_BF16=yes: write "native" or "emulated"'):
-        precision.resolve_precision("auto", CPU)
+        precision.native_precision(CPU)
 
 
-def test_explicit_settings_are_kept_and_fp16_needs_cuda():
-    assert precision.resolve_precision("fp32", CPU) == "fp32"
-    assert precision.resolve_precision("bf16", CPU) == "bf16"
+def test_fp16_needs_cuda_and_the_others_run_anywhere():
+    for kept in ("fp32", "bf16", "auto"):
+        precision.check_precision(kept, CPU)
     with pytest.raises(ConfigError, match="train.precision: fp16 needs CUDA"):
-        precision.resolve_precision("fp16", CPU)
-    assert precision.resolve_precision("fp16", torch.device("cuda", 0)) == "fp16"
+        precision.check_precision("fp16", CPU)
+    precision.check_precision("fp16", torch.device("cuda", 0))
 
 
 def test_auto_on_cuda_asks_for_native_bf16_not_emulation(monkeypatch):
@@ -51,7 +51,7 @@ def test_auto_on_cuda_asks_for_native_bf16_not_emulation(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported",
                         lambda including_emulation=True: asked.setdefault("emulation", including_emulation))
-    assert precision.resolve_precision("auto", torch.device("cuda", 0)) == "fp32"
+    assert precision.native_precision(torch.device("cuda", 0)) == "fp32"
     assert asked == {"emulation": False}
 
 
@@ -93,4 +93,4 @@ def test_kernels_held_below_avx512_bf16_emulate_it_so_auto_is_fp32(monkeypatch, 
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "flags\t\t: avx2 avx512f avx512_bf16\n"
                         if str(self) == "/proc/cpuinfo" else real(self, *a, **k))
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
-    assert precision.resolve_precision("auto", CPU) == expected
+    assert precision.native_precision(CPU) == expected

@@ -1,7 +1,8 @@
-"""Preflight's own rules (ddp_cli/cli/preflight.py), called directly: the workers a torchrun started,
---resume, model.weights made absolute, SyncBatchNorm on CPU, the node's loaders, and `preflight`
-itself on a fake index and loader rule (what it computes and hands on). The whole preflight is met
-through the CLI in test_cli_errors, test_gpus and test_shared_memory."""
+"""Preflight's own rules (ddp_cli/preflight.py), called directly: the workers a torchrun started,
+--resume, the facts it hands the resolve pass (model.weights made absolute, the model family),
+SyncBatchNorm on CPU, the node's loaders, and `preflight` itself on a fake index and loader rule
+(what it computes and hands on). The whole preflight is met through the CLI in test_cli_errors,
+test_gpus and test_shared_memory."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from ddp_cli.distributed.setup import DistContext
 from ddp_cli.errors import ConfigError
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.run.launch import LaunchOptions
+from ddp_cli.train.precision import native_precision
 
-CPU_WORKERS = preflight.Workers(nproc=2, nnodes=3, backend="gloo", device="cpu", precision="fp32")
+NATIVE = native_precision(torch.device("cpu"))  # what this CPU computes natively: bf16 or fp32
+CPU_WORKERS = preflight.Workers(nproc=2, nnodes=3, backend="gloo", device="cpu", native_precision="fp32")
 
 
 def test_joined_workers_are_the_local_ones_on_world_over_local_nodes():
@@ -27,7 +30,7 @@ def test_joined_workers_are_the_local_ones_on_world_over_local_nodes():
                       backend="gloo")
     cfg = RunConfig().resolved({"distributed.backend": "gloo", "train.precision": "fp32"})
     workers = preflight.joined_workers(cfg, ctx)
-    assert workers == preflight.Workers(nproc=4, nnodes=3, backend="gloo", device="cpu", precision="fp32")
+    assert workers == preflight.Workers(4, 3, "gloo", "cpu", NATIVE)
     assert workers.world_size == 12 and isinstance(workers.nnodes, int)  # the plan prints "3", not "3.0"
 
 
@@ -49,11 +52,14 @@ def test_resume_a_file_is_made_absolute_and_a_missing_one_is_a_config_error(tmp_
 def test_a_weights_file_is_made_absolute_and_a_weight_name_stays_a_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = RunConfig().resolved({"model.weights": "w/model.pt"})
-    assert preflight.with_weights_path(cfg).model.weights == str(tmp_path / "w" / "model.pt")
+    assert preflight.node_facts(cfg, CPU_WORKERS).weights_file == str(tmp_path / "w" / "model.pt")
     named = RunConfig().resolved({"model.weights": "DEFAULT"})
-    assert preflight.with_weights_path(named) is named
-    bare = RunConfig()
-    assert preflight.with_weights_path(bare) is bare
+    assert preflight.node_facts(named, CPU_WORKERS).weights_file is None
+    facts = preflight.node_facts(RunConfig(), CPU_WORKERS)
+    assert (facts.weights_file, facts.device, facts.world_size, facts.takes_any_size) == (None, "cpu", 6,
+                                                                                          True)
+    vit = RunConfig().resolved({"model.name": "vit_b_16"})
+    assert preflight.node_facts(vit, CPU_WORKERS).takes_any_size is False
 
 
 def test_sync_batchnorm_is_refused_on_cpu_only():
@@ -69,14 +75,14 @@ def test_sync_batchnorm_is_refused_on_cpu_only():
 
 @pytest.fixture()
 def loader_rule(monkeypatch):
-    """`choose_loaders` and the /dev/shm check recorded (each has its own tests): 3 loaders, prefetch 5."""
+    """`measure_loaders` and the /dev/shm check recorded (each has its own tests): the rule gives 3."""
     calls = {}
 
     def choose(*args, **kwargs):
         calls["choose"] = args, kwargs
-        return LoaderChoice(workers=3, prefetch_factor=5, rule="as set")
+        return LoaderChoice(workers=3, prefetch_factor=0, rule="the rule")
 
-    monkeypatch.setattr(preflight, "choose_loaders", choose)
+    monkeypatch.setattr(preflight, "measure_loaders", choose)
     monkeypatch.setattr(preflight, "check_shared_memory", lambda *args: calls.setdefault("shm", args))
     return calls
 
@@ -90,16 +96,26 @@ def fake_dataset(train_images: int = 1000):
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
-def test_node_loaders_are_chosen_for_the_split_and_their_batches_checked_against_shm(loader_rule, split):
+def test_node_loaders_are_measured_for_the_split(loader_rule, split):
     cfg = RunConfig().resolved({"augment.policy": "trivialaugment"})
     entry, index = fake_dataset()
     model = torch.nn.Linear(1, 1)
-    choice = preflight.choose_node_loaders(cfg, CPU_WORKERS, entry, index, model, split)
-    assert (choice.workers, choice.prefetch_factor) == (3, 5)
+    choice = preflight.measure_node_loaders(cfg, CPU_WORKERS, entry, index, model, split)
+    assert (choice.workers, choice.rule) == (3, "the rule")
     args, kwargs = loader_rule["choose"]
     assert args == (cfg.data, "cpu", 2, "FS", "ROOT", index.splits[split], model)
     assert kwargs == {"train": split == "train", "augment": cfg.augment}
-    assert loader_rule["shm"] == (cfg.data, 3, 5, 2)  # the choice's loaders, for this node's 2 workers
+
+
+def test_inference_resolves_a_checkpoints_loaders_on_this_node_and_checks_them_against_shm(loader_rule):
+    trained = RunConfig().resolved({"data.workers": "auto", "data.prefetch_factor": "auto",
+                                    "train.precision": "auto"})
+    entry, index = fake_dataset()
+    cfg = preflight.resolved_for_inference(trained, CPU_WORKERS, entry, index, torch.nn.Linear(1, 1), "val")
+    assert (cfg.data.workers, cfg.data.prefetch_factor, cfg.train.precision) == (3, 2, "fp32")
+    assert loader_rule["shm"] == (cfg.data, 3, 2, 2)  # the resolved loaders, for this node's 2 workers
+    given = RunConfig().resolved({"data.workers": 1})
+    assert preflight.resolved_for_inference(given, CPU_WORKERS, entry, index, None, "val").data.workers == 1
 
 
 def test_preflight_keeps_what_its_checks_computed(loader_rule):
@@ -110,8 +126,10 @@ def test_preflight_keeps_what_its_checks_computed(loader_rule):
     build = SimpleNamespace(result=lambda: (entry, index))
     plan = preflight.preflight(cfg, build, CPU_WORKERS, "auto", clock)
     assert (plan.entry, plan.index, plan.workers, plan.resume) == (entry, index, CPU_WORKERS, "auto")
-    assert (plan.cfg.data.workers, plan.cfg.data.prefetch_factor) == (3, 5)  # "auto" made concrete
-    assert plan.loaders.rule == "as set" and loader_rule["choose"][1]["train"] is True
+    assert (plan.cfg.data.workers, plan.cfg.data.prefetch_factor) == (3, 2)  # "auto" made concrete
+    assert (plan.loaders.workers, plan.loaders.prefetch_factor, plan.loaders.rule) == (3, 2, "the rule")
+    assert loader_rule["choose"][1]["train"] is True and loader_rule["shm"] == (plan.cfg.data, 3, 2, 2)
+    assert plan.cfg.data.progressive and plan.cfg.data.min_image_size == 24  # resolved: the default recipe
     assert plan.model.head[-1].out_features == 3 and plan.model.head[-1].weight.is_meta
     assert plan.steps_per_epoch == 8  # 1000 images // 6 ranks // batch 10 = 16 batches, 2 per step
     assert isinstance(plan.steps_per_epoch, int)  # whole batches: the plan prints 8, not 8.0
@@ -135,7 +153,7 @@ def test_preflight_without_a_clock_and_its_first_refusals(loader_rule, tmp_path)
     synced = cfg.resolved({"model.sync_batchnorm": True})
     with pytest.raises(ConfigError, match="^model.sync_batchnorm"):
         preflight.preflight(synced, build, CPU_WORKERS)
-    gpu_workers = preflight.Workers(nproc=2, nnodes=3, backend="nccl", device="cuda", precision="fp32")
+    gpu_workers = preflight.Workers(nproc=2, nnodes=3, backend="nccl", device="cuda", native_precision="fp32")
     assert preflight.preflight(synced, build, gpu_workers).cfg.model.sync_batchnorm
 
 
@@ -144,7 +162,7 @@ def test_validate_meets_its_launchs_workers_and_a_model_for_the_checkpoints_clas
     cfg = RunConfig().resolved({"model.name": "resnet_tiny", "data.image_size": 32,
                                 "distributed.backend": "gloo", "train.precision": "fp32"})
     workers, model = preflight.validation_workers(cfg, 7, LaunchOptions(nproc_per_node=2))
-    assert workers == preflight.Workers(nproc=2, nnodes=1, backend="gloo", device="cpu", precision="fp32")
+    assert workers == preflight.Workers(2, 1, "gloo", "cpu", NATIVE)
     assert model.head[-1].out_features == 7
 
 
@@ -157,7 +175,7 @@ def test_our_launch_checks_the_rendezvous_warns_of_loopback_and_places_its_worke
     cfg = RunConfig().resolved({"distributed.backend": "gloo", "train.precision": "fp32"})
     opts = LaunchOptions(nnodes=2, rdzv_endpoint="head:29500")
     workers = preflight.launch_workers(cfg, opts)
-    assert workers == preflight.Workers(nproc=3, nnodes=2, backend="gloo", device="cpu", precision="fp32")
+    assert workers == preflight.Workers(3, 2, "gloo", "cpu", NATIVE)
     assert seen == {"rendezvous": (opts, cfg.distributed), "loopback": (2, "head:29500", os.environ),
                     "nproc": (opts, cfg.distributed)}
 
@@ -165,7 +183,8 @@ def test_our_launch_checks_the_rendezvous_warns_of_loopback_and_places_its_worke
 def test_workers_take_a_gpu_each_where_the_driver_shows_enough(monkeypatch):
     monkeypatch.setattr(preflight, "cuda_devices", lambda: 2)  # counted through the driver: CUDA untouched
     cfg = RunConfig().resolved({"distributed.backend": "auto", "train.precision": "fp16"})
-    assert preflight.place_workers(cfg, 2, 1) == preflight.Workers(2, 1, "nccl", "cuda", "fp16")
+    placed = preflight.place_workers(cfg, 2, 1)
+    assert (placed.nproc, placed.nnodes, placed.backend, placed.device) == (2, 1, "nccl", "cuda")
     with pytest.raises(ConfigError, match="this node has 2 for 3 workers"):
         preflight.place_workers(cfg, 3, 1)
 

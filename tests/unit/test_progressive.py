@@ -8,10 +8,12 @@ import fsspec
 import pytest
 from synthetic import make_imagenet_loc
 
-from ddp_cli.config import DataConfig, config_from_dict
+from ddp_cli.config import DataConfig, RunConfig, config_from_dict
+from ddp_cli.config.resolve import Facts, resolve
 from ddp_cli.data.pipeline.loaders import build_loaders
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.errors import ConfigError
+from ddp_cli.models.families import takes_any_size
 
 
 def test_ffcv_rule_for_resnet50_fast():
@@ -56,8 +58,14 @@ def test_persistent_loader_processes_crop_at_each_epochs_size(tmp_path):
     assert {tuple(batch.images.shape[1:3]) for batch in loaders.val} == {(24, 24)}
 
 
-def sizes_of(raw: dict) -> list[int]:
+def res(raw: dict) -> RunConfig:
+    """`raw` validated and resolved as preflight resolves it (the model family from its name)."""
     cfg = config_from_dict(raw)
+    return resolve(cfg, Facts(takes_any_size=takes_any_size(cfg.model.name)))
+
+
+def sizes_of(raw: dict) -> list[int]:
+    cfg = res(raw)
     return [cfg.data.train_size(e) for e in range(cfg.train.epochs)]
 
 
@@ -65,11 +73,11 @@ def test_on_by_default_from_half_the_size_from_40_percent_of_the_epochs_to_the_e
     """The default recipe: from half the side (Composer's initial_scale) to the nearest 16 px, a half rounded
     up, ramped in 32 px steps to the run's end: 64 -> 96 px over 8 epochs at 112 (issue 41's measured run:
     the last crop under the val crop, as FixRes), 112 -> 224 over 16."""
-    cfg = config_from_dict({"data": {"image_size": 112}, "train": {"epochs": 8}})
+    cfg = res({"data": {"image_size": 112}, "train": {"epochs": 8}})
     assert (cfg.data.progressive, cfg.data.min_image_size, cfg.data.ramp_epochs) == (True, 64, [3.2, 8.0])
     assert sizes_of({"data": {"image_size": 112}, "train": {"epochs": 8}}) == [64] * 5 + [96] * 3
     assert sizes_of({"data": {"image_size": 224}, "train": {"epochs": 16}})[::5] == [112, 112, 160, 224]
-    firsts = [config_from_dict({"data": {"image_size": s}}).data.min_image_size for s in (64, 80, 96, 144)]
+    firsts = [res({"data": {"image_size": s}}).data.min_image_size for s in (64, 80, 96, 144)]
     assert firsts == [32, 48, 48, 80]  # 40 and 72 px round up
     assert sizes_of({"data": {"image_size": 112, "progressive": False}, "train": {"epochs": 8}}) == [112] * 8
 
@@ -92,7 +100,7 @@ def test_a_small_image_starts_at_24_px_not_half_its_side():
     {"data": {"image_size": 112, "ramp_epochs": [0.0, 0.0]}},  # a ramp over before it starts
 ])
 def test_off_by_default_where_it_cannot_pay_or_cannot_run(raw):
-    cfg = config_from_dict({**raw, "train": {"epochs": 8}})
+    cfg = res({**raw, "train": {"epochs": 8}})
     assert not cfg.data.progressive and cfg.data.min_image_size is None
     assert set(sizes_of({**raw, "train": {"epochs": 8}})) == {cfg.data.image_size}
 
@@ -103,9 +111,10 @@ def test_a_first_crop_given_alone_ramps_over_the_default_epochs():
     with it stays, [0, 0] included."""
     assert sizes_of({"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 8}}) == (
         [64] * 5 + [96] * 3)
-    cfg = config_from_dict({"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 8}})
+    cfg = res({"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 8}})
     assert (cfg.data.progressive, cfg.data.ramp_epochs) == (True, [3.2, 8.0])
-    assert cfg.resolved({"train.epochs": 20}).data.ramp_epochs == [8.0, 20.0]
+    longer = {"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 20}}
+    assert res(longer).data.ramp_epochs == [8.0, 20.0]
     assert sizes_of({"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [0, 0]}}) == [112] * 90
 
 
@@ -120,32 +129,36 @@ def test_the_run_dirs_config_toml_holds_the_sizes_and_an_old_one_resumes_without
     """config.toml says what the run does (the sizes written out, not left to a default that may change);
     one written before progressive resizing was a default (no data.progressive, its ramp_epochs [0, 0]
     written in full) resumes as it trained: every epoch at image_size."""
-    cfg = config_from_dict({"data": {"image_size": 112}, "train": {"epochs": 8}})
+    cfg = res({"data": {"image_size": 112}, "train": {"epochs": 8}})
     written = tomllib.loads(cfg.to_toml())["data"]
     keys = ("progressive", "min_image_size", "ramp_epochs")
     assert [written[key] for key in keys] == [True, 64, [3.2, 8.0]]
-    assert config_from_dict(tomllib.loads(cfg.to_toml())) == cfg
+    assert config_from_dict(tomllib.loads(cfg.to_toml())) == cfg == res(tomllib.loads(cfg.to_toml()))
     old = tomllib.loads(cfg.to_toml())
     del old["data"]["progressive"], old["data"]["min_image_size"]
     old["data"]["ramp_epochs"] = [0.0, 0.0]
     assert set(sizes_of(old)) == {112}
     # off by default is written out too: a 32 px run from before it was on there resumes at 32 px
-    off = tomllib.loads(config_from_dict({"data": {"image_size": 28}, "train": {"epochs": 8}}).to_toml())
+    off = tomllib.loads(res({"data": {"image_size": 28}, "train": {"epochs": 8}}).to_toml())
     assert off["data"]["progressive"] is False
     off["data"]["image_size"] = 32
     assert set(sizes_of(off)) == {32}
 
 
-def test_a_resolved_change_derives_the_sizes_again_but_keeps_those_given():
-    """Preflight's and the commands' `resolved`: the sizes ddp derived follow a changed image_size or
-    epochs (not the stale 160 px of a 224 px default, above a 112 px crop); given ones stay."""
-    cfg = config_from_dict({"train": {"epochs": 8}}).resolved({"data.image_size": 112})
+def test_a_change_before_the_pass_derives_the_sizes_again_but_keeps_those_given():
+    """A `--set` or a sweep's trial changes the validated config, and the resolve pass derives from what it
+    says: the sizes follow a changed image_size or epochs (not the stale 160 px of a 224 px default, above
+    a 112 px crop); given ones stay."""
+    def changed(raw: dict, changes: dict):
+        cfg = config_from_dict(raw).resolved(changes)
+        return resolve(cfg, Facts(takes_any_size=takes_any_size(cfg.model.name)))
+
+    cfg = changed({"train": {"epochs": 8}}, {"data.image_size": 112})
     assert (cfg.data.min_image_size, cfg.data.ramp_epochs, cfg.data.val_resize) == (64, [3.2, 8.0], 128)
-    given = config_from_dict({"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [1, 2],
-                                       "val_resize": 112}})
-    again = given.resolved({"train.epochs": 20})
+    given = {"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [1, 2], "val_resize": 112}}
+    again = changed(given, {"train.epochs": 20})
     assert (again.data.min_image_size, again.data.ramp_epochs, again.data.val_resize) == (64, [1, 2], 112)
-    small = config_from_dict({}).resolved({"data.image_size": 32})
+    small = changed({}, {"data.image_size": 32})
     assert (small.data.progressive, small.data.min_image_size) == (True, 24)
-    tiny = config_from_dict({}).resolved({"data.image_size": 24})
+    tiny = changed({}, {"data.image_size": 24})
     assert not tiny.data.progressive and tiny.data.min_image_size is None

@@ -6,6 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ddp_cli.config import load_config
+from ddp_cli.models.user_model import with_located_model
 from ddp_cli.sweep.report import best_config_text
 from ddp_cli.sweep.study import SweepOptions, base_config
 
@@ -20,13 +21,13 @@ def test_best_toml_names_a_model_file_of_the_sweep_config_wherever_it_is_written
     monkeypatch.chdir(tmp_path)  # the sweep runs from the project's root, its config in configs/
     opts = SweepOptions(config=Path("configs/run.toml"), space=tmp_path / "space.toml",
                         overrides=["optim.lr_per_256=0.2"])
-    raw = base_config(opts, load_config(opts.config, opts.overrides))
+    raw = base_config(opts, with_located_model(load_config(opts.config, opts.overrides), opts.config))
     study = SimpleNamespace(study_name="s", user_attrs={"ddp_config": raw})
     trial = SimpleNamespace(number=3, value=0.9, params={"optim.label_smoothing": 0.05})
     best = tmp_path / "sweeps" / "s" / "best.toml"
     best.parent.mkdir(parents=True)
     best.write_text(best_config_text(study, trial))
-    cfg = load_config(best)
+    cfg = with_located_model(load_config(best), best)  # as `ddp train best.toml` reads it
     assert cfg.model.name == f"{tmp_path / 'configs' / 'nets' / 'tiny.py'}:make"
     assert cfg.model.source.sha256  # located: the file, hashed as any run's
     assert (cfg.optim.lr_per_256, cfg.optim.label_smoothing) == (0.2, 0.05)

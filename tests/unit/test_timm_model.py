@@ -17,10 +17,12 @@ from synthetic import write_timm_cache
 
 from ddp_cli.cli.plan import val_preprocessing, weights_data_config
 from ddp_cli.config import ModelConfig, load_config
+from ddp_cli.config.resolve import resolve
 from ddp_cli.data.pipeline.transforms import normalising, to_model_input
 from ddp_cli.errors import DATA, USAGE, ConfigError, DataError
 from ddp_cli.models import build_model, check_model, classifier_head, initial_weights, load_weights, vit_depth
 from ddp_cli.models.timm_model import TimmName, parse
+from ddp_cli.preflight import Workers, node_facts
 
 NAME = "timm/test_resnet.r160_in1k"
 REPO = "models--timm--test_resnet.r160_in1k"
@@ -46,7 +48,8 @@ def offline(monkeypatch):
 
 def config(folder: Path, name: str = NAME, body: str = "image_size = 32\n", *sets: str):
     (folder / "run.toml").write_text(f'[model]\nname = "{name}"\nweights = "pretrained"\n[data]\n{body}')
-    return load_config(folder / "run.toml", list(sets)).resolved({"train.epochs": 1})
+    cfg = load_config(folder / "run.toml", list(sets)).resolved({"train.epochs": 1})
+    return resolve(cfg, node_facts(cfg, Workers(1, 1, "gloo", "cpu", "fp32")))  # as preflight resolves it
 
 
 def test_the_name_is_the_architecture_and_an_optional_tag():

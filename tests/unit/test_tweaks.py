@@ -138,13 +138,17 @@ def test_timm_blocks_zero_their_last_norm_and_blur_like_torchvisions():
 def test_the_dry_run_plan_says_which_elements_of_the_recipe_are_on():
     from ddp_cli.cli.plan import recipe
     from ddp_cli.config import config_from_dict
+    from ddp_cli.config.resolve import Facts, resolve
 
-    assert recipe(config_from_dict({})) == {
+    def plan_of(raw: dict) -> dict:  # the plan shows the config preflight resolved: 22 steps an epoch
+        return recipe(resolve(config_from_dict(raw), Facts(steps_per_epoch=22)))
+
+    assert plan_of({}) == {
         "blurpool": False, "zero_init_residual": False, "label_smoothing": 0.1,
-        "progressive_resizing": True, "test_above_train_size": False, "ema": True, "ema_bn_epochs": "auto"}
-    assert recipe(config_from_dict({}).resolved({"train.ema_bn_epochs": 2}))["ema_bn_epochs"] == 2  # a plan's
-    assert not recipe(config_from_dict({"data": {"progressive": False}}))["progressive_resizing"]
-    assert not recipe(config_from_dict({"train": {"ema_decay": 0}}))["ema"]
+        "progressive_resizing": True, "test_above_train_size": False, "ema": True, "ema_bn_epochs": 4}
+    assert plan_of({"train": {"ema_bn_epochs": 2}})["ema_bn_epochs"] == 2
+    assert not plan_of({"data": {"progressive": False}})["progressive_resizing"]
+    assert not plan_of({"train": {"ema_decay": 0}})["ema"]
     on = config_from_dict({
         "model": {"blurpool": True, "zero_init_residual": True}, "optim": {"label_smoothing": 0.1},
         "data": {"image_size": 112, "min_image_size": 80, "ramp_epochs": [4, 6], "val_image_size": 144},

@@ -16,7 +16,7 @@ from synthetic import OWN_NET
 from ddp_cli.config import load_config
 from ddp_cli.errors import USAGE, ConfigError
 from ddp_cli.models import build_model, check_model, classifier_head
-from ddp_cli.models.user_model import changed, factory
+from ddp_cli.models.user_model import changed, factory, with_located_model
 from ddp_cli.train.checkpoint_model import warn_if_changed
 
 NET = OWN_NET + """
@@ -36,7 +36,7 @@ def not_a_model(num_classes):
 
 def config(folder: Path, name: str, *sets: str):
     (folder / "run.toml").write_text(f'[model]\nname = "{name}"\n[data]\nimage_size = 8\nval_resize = 8\n')
-    return load_config(folder / "run.toml", list(sets))
+    return with_located_model(load_config(folder / "run.toml", list(sets)), folder / "run.toml")
 
 
 @pytest.fixture
