@@ -1,16 +1,15 @@
-"""Models: built by name (torchvision's zoo, timm's, a user's own factory), fitted with weights, exported.
-May import config and the foundations (user_model and timm_model: the foundations only), export also train.
+"""Models: built by name (torchvision's zoo, timm's, a user's own factory), fitted with weights.
+May import config and the foundations; never train (a checkpoint's export is train/export.py).
 
 Rooms: `zoo` builds every model by name (`tweaks`: the fast recipe's surgery on it); `weights` finds and
 fits `model.weights`; `finetune` freezes modules and finds the head and a ViT's layers; `check` proves a
 model on the meta device before any worker starts; `user_model` and `timm_model` locate a user's factory
-and timm's architectures and weights (config reads model names with them, so they sit below it);
-`export` writes a checkpoint's weights for other programs, with a model card.
+and timm's architectures and weights (the syntax of their names is the config's: config/model_names.py);
+`families` says from a name alone which models take any input size (a fact of the config's resolve pass).
 
 The public names are handed on here (`ddp_cli.models.TinyResNet` is what an exported model card
-names), imported on first use: importing config imports `user_model` and so runs this file, which must
-then import neither torch nor the zoo (which imports config). Inside the package, code imports the
-module that holds a name.
+names), imported on first use: the commands that read a config import `user_model`, and so run this
+file, without paying torch's import. Inside the package, code imports the module that holds a name.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
 from ddp_cli.errors import DdpError, WriteError
-from ddp_cli.models.export import export_checkpoint
 from ddp_cli.models.finetune import freeze
 from ddp_cli.models.weights import load_weights
 from ddp_cli.models.zoo import build_model
@@ -36,6 +35,7 @@ from ddp_cli.run.mirror import BucketMirror
 from ddp_cli.sweep.pruning import epoch_gate
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
 from ddp_cli.train.eval_outputs import evaluation_record, write_evaluation
+from ddp_cli.train.export import export_checkpoint
 from ddp_cli.train.trainer import Trainer, count_steps
 
 log = logging.getLogger("ddp")

@@ -17,7 +17,7 @@ import torch
 from conftest import last_json, run_ddp, val_split_of
 from safetensors.torch import load_file
 
-from ddp_cli.models.export import export_checkpoint
+from ddp_cli.train.export import export_checkpoint
 
 pytestmark = pytest.mark.slow
 FORMATS = {"state_dict": "pt", "safetensors": "safetensors", "torchscript": "ts", "onnx": "onnx"}

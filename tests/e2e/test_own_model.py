@@ -17,9 +17,9 @@ import torch
 from conftest import REPO, last_json, run_ddp, val_split_of
 from synthetic import OWN_NET
 
-from ddp_cli.models.export import card_path, export_checkpoint
 from ddp_cli.models.user_model import factory
 from ddp_cli.train.checkpoint_model import load_trained
+from ddp_cli.train.export import card_path, export_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import torch
 from conftest import REPO, last_json, run_ddp
 from synthetic import write_timm_cache
 
-from ddp_cli.models.export import card_path, export_checkpoint
 from ddp_cli.train.checkpoint_model import load_trained
+from ddp_cli.train.export import card_path, export_checkpoint
 
 pytestmark = pytest.mark.slow
 

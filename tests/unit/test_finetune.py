@@ -27,8 +27,8 @@ from ddp_cli.models import (
     load_weights,
     tensors_on_meta,
 )
-from ddp_cli.models.export import builder
 from ddp_cli.preflight import Workers, node_facts
+from ddp_cli.train.export import builder
 from ddp_cli.train.large_batch import Lamb, Lars
 from ddp_cli.train.optim import build_optimizer, param_groups
 from ddp_cli.train.schedules import build_scheduler, lr_factor

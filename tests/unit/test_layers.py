@@ -38,7 +38,6 @@ LAYERS: list[tuple[str, ...]] = [
     # a sweep's space (read against the run config) and its study's storage
     ("ddp_cli.sweep.space", "ddp_cli.sweep.storage"),
     ("ddp_cli.train",),
-    ("ddp_cli.models.export",),  # a checkpoint's weights for other programs: it reads train's checkpoints
     ("ddp_cli.sweep.pruning",),  # the trial's side of a sweep: the run's epoch ends reported to the study
     ("ddp_cli.run",),
     # the sweep's loop (trials as `ddp train` processes) and its report
@@ -142,8 +141,9 @@ def test_the_rule_refuses_upward_and_sibling_imports():
     assert not violations("ddp_cli.cli.commands.training", {"ddp_cli.cli.commands.run_dirs"})
     assert not violations("ddp_cli.cli.bench", {"ddp_cli.bench.step", "ddp_cli.cli.clikit"})  # the door
     assert violations("ddp_cli.config", {"ddp_cli.models.zoo"})  # config reads model names, builds none
-    assert violations("ddp_cli.models.zoo", {"ddp_cli.models.export"})
-    assert violations("ddp_cli.models.weights", {"ddp_cli.models.export"})
+    assert violations("ddp_cli.models.zoo", {"ddp_cli.train.export"})  # models know no checkpoint
+    assert violations("ddp_cli.models.weights", {"ddp_cli.train.checkpoint"})
+    assert violations("ddp_cli.config.resolve", {"ddp_cli.models.families"})  # facts are handed in
     assert not violations("ddp_cli.models.check", {"ddp_cli.models.zoo", "ddp_cli.models.weights"})
     with pytest.raises(AssertionError, match="no layer"):
         group_of("ddp_cli.newthing")

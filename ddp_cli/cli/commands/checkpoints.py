@@ -190,6 +190,6 @@ def predict_inputs(cfg: RunConfig, trained: Trained, inputs: list[str], dataset:
 
 def export(checkpoint: Path, fmt: str, weights: str, out: Path) -> dict[str, Any]:
     """`ddp export`: the checkpoint's weights in `fmt`, with a model card beside them."""
-    from ddp_cli.models.export import export_checkpoint
+    from ddp_cli.train.export import export_checkpoint
 
     return export_checkpoint(Path(local_checkpoint(checkpoint)), fmt, weights, out)
