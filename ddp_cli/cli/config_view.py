@@ -1,7 +1,9 @@
-"""`ddp config show | schema`: the resolved run config as a person reads it, and its JSON schema.
+"""`ddp config show | schema`: the run config as a person reads it, and its JSON schema.
 
-The TOML is the whole config, every default written out and each unset key as a
-comment (TOML has no null), so feeding it back to `load_config` gives the same
+The TOML is the whole config as given, every default written out and each unset key as a
+comment (TOML has no null); the keys ddp derives when a run starts (`config.resolve`: the
+progressive ramp, the val resize, best.pt's metric) are commented as such, so a file saved from it
+derives them again for its own epochs and sizes, and feeding it back to `load_config` gives the same
 config. Nothing here touches the data or the registry.
 """
 
@@ -14,7 +16,9 @@ import tomli_w
 from pydantic import BaseModel
 
 from ddp_cli.config import RunConfig
+from ddp_cli.config.resolve import DERIVED_KEYS
 
+DERIVED = {*DERIVED_KEYS, "data.min_image_size"}  # left unset here, filled by the run's resolve pass
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
@@ -22,7 +26,8 @@ def render(cfg: RunConfig, fmt: str, source: str = "") -> str:
     """`fmt` "toml" (commented, for people) or "json" (one line: every key, unset ones null)."""
     if fmt == "json":
         return json.dumps(cfg.model_dump(mode="json"))
-    header = [f"# {source}, resolved: every default written out, unset keys commented"] if source else []
+    header = [f"# {source}: every default written out, unset keys commented; the keys marked \"derived\" are "
+              "set when the run starts (ddp train --dry-run shows them)"] if source else []
     return "\n".join([*header, *toml_lines(cfg, [])])
 
 
@@ -34,6 +39,8 @@ def toml_lines(section: BaseModel, path: list[str]) -> list[str]:
         value = getattr(section, name)
         if isinstance(value, BaseModel):
             subsections.append((name, value))
+        elif value is None and ".".join([*path, name]) in DERIVED:
+            lines.append(f"# {name} = derived when the run starts")
         elif value is None:
             lines.append(f"# {name} = unset")
         else:

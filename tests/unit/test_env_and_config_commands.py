@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from ddp_cli.cli import app
 from ddp_cli.config import RunConfig, load_config
+from ddp_cli.config.resolve import Facts, resolve
 from ddp_cli.train.precision import native_precision
 
 CLI_ENV = {"LOGLEVEL": "CRITICAL", "TORCH_CPP_LOG_LEVEL": "FATAL", "DDP_LOG_LEVEL": "INFO"}
@@ -116,3 +117,16 @@ def test_config_schema_describes_every_section_and_refuses_unknown_keys():
     assert set(schema["properties"]) == set(RunConfig.model_fields)
     assert schema["additionalProperties"] is False
     assert schema["$defs"]["OptimConfig"]["properties"]["lr_per_256"]["description"]
+
+
+def test_a_saved_config_show_derives_its_ramp_again_for_its_own_epochs(nowhere):
+    """The keys ddp derives when a run starts are shown as derived, not as numbers: a file saved from
+    `config show` and given other epochs gets the ramp of those epochs (it once kept [3.2, 8.0])."""
+    result = invoke("config", "show", str(REPO / "configs/demo.toml"), "--set", "train.epochs=8")
+    assert result.exit_code == 0, result.output
+    assert "# ramp_epochs = derived when the run starts" in result.stdout
+    assert "# best_metric = derived when the run starts" in result.stdout
+    saved = nowhere / "saved.toml"
+    saved.write_text(result.stdout)
+    longer = resolve(load_config(saved, ["train.epochs=16"]), Facts(steps_per_epoch=22))
+    assert longer.data.ramp_epochs == [6.4, 16.0]
