@@ -7,9 +7,12 @@ import sys
 import tomllib
 
 import pytest
+import torch
 from conftest import REPO, last_json, run_ddp
 
 from ddp_cli.config import config_from_dict, load_config
+from ddp_cli.config.resolve import Facts, resolve
+from ddp_cli.train.precision import native_precision
 
 FAST = ["--set", "train.epochs=2", "--set", "train.max_steps_per_epoch=6", "--set", "data.workers=0"]
 
@@ -36,12 +39,12 @@ def test_train_json_and_run_directory(trained):
     assert 0 <= out["final"]["top1"] <= out["final"]["top5"] <= 1
     assert out["images_per_second"] > 0
     resolved = config_from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
-    overrides = ["train.epochs=2", "train.max_steps_per_epoch=6", "data.workers=0",
-                 'data.decode="cpu"',  # "auto" as preflight resolved it on CPU workers
-                 "train.ema_decay=0.99",  # "auto" as resolved: 6 steps an epoch, so an average of 100
-                 "train.ema_bn_epochs=2"]  # "auto" as resolved: both epochs end within its 100 steps
-    expected = load_config(REPO / "configs/demo.toml", overrides)
+    given = load_config(REPO / "configs/demo.toml", ["train.epochs=2", "train.max_steps_per_epoch=6",
+                                                     "data.workers=0"])
+    # the resolve pass's facts on these CPU workers: 2 of them, 6 steps an epoch
+    expected = resolve(given, Facts("cpu", native_precision(torch.device("cpu")), 2, 6))
     assert resolved == expected
+    assert (resolved.train.ema_decay, resolved.train.ema_bn_epochs, resolved.data.decode) == (0.99, 2, "cpu")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if r["split"] == "val"]
     assert [r["epoch"] for r in val] == [1, 2]

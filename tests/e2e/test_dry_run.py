@@ -11,7 +11,8 @@ import torch
 from conftest import REPO, ddp_in_process, last_json
 from synthetic import make_imagenet_loc, write_registry
 
-from ddp_cli.data.pipeline.autotune import choose_prefetch, choose_workers, cores_per_rank
+from ddp_cli.config.resolve import prefetch_for
+from ddp_cli.data.pipeline.autotune import choose_workers, cores_per_rank
 from ddp_cli.train.precision import native_precision
 
 # the run configs, not a sweep's space beside one (*-space.toml)
@@ -83,4 +84,4 @@ def test_auto_loader_workers_are_resolved_and_explained(tiny):
     assert choice["cores_per_rank"] == cores_per_rank(1) and choice["decode_ms"] > 0
     assert choice["workers"] == choose_workers(choice["cores_per_rank"], "cpu", choice["decode_ms"],
                                                choice.get("model_ms"))[0]
-    assert choice["prefetch_factor"] == choose_prefetch(choice["workers"]) and choice["rule"]
+    assert choice["prefetch_factor"] == prefetch_for(choice["workers"]) and choice["rule"]
