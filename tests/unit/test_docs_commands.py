@@ -201,13 +201,15 @@ def test_the_generated_cli_reference_has_every_command_and_the_hidden_options():
 
 
 def test_the_generated_config_reference_has_every_key():
-    from ddp_cli.config import RunConfig, _section_type, reference_markdown
+    from ddp_cli.config import RunConfig
+    from ddp_cli.config.errors import section_type
+    from ddp_cli.config.reference import reference_markdown
 
     page = reference_markdown()
 
     def keys(model, prefix=""):
         for name, field in model.model_fields.items():
-            section = _section_type(field.annotation)
+            section = section_type(field.annotation)
             yield from keys(section, f"{prefix}{name}.") if section else [f"{prefix}{name}"]
 
     for key in keys(RunConfig):
