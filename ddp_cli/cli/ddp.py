@@ -181,7 +181,7 @@ def validate(
 
     Examples:
 
-    * `ddp validate --checkpoint runs/demo-20261122-023101/checkpoints/last.pt`
+    * `ddp validate --checkpoint runs/demo-YYYYMMDD-HHMMSS/checkpoints/last.pt`
     * `ddp validate --checkpoint best.pt --nproc-per-node 3 --json`
     * `ddp validate --checkpoint best.pt --weights ema --topk 1,5,10 --per-class --confusion cm.csv`
     * `ddp validate --checkpoint best.pt --dataset imagenet_s3 --registry data.toml`
@@ -256,7 +256,7 @@ def export(
 
     Examples:
 
-    * `ddp export --checkpoint runs/demo-20261122-023101/checkpoints/last.pt --format state_dict --out m.pt`
+    * `ddp export --checkpoint runs/demo-YYYYMMDD-HHMMSS/checkpoints/last.pt --format state_dict --out m.pt`
     * `ddp export --checkpoint best.pt --format onnx --weights ema --out model.onnx --json`
     * `ddp export --checkpoint best.pt --format safetensors --out model.safetensors`
     """
@@ -281,8 +281,8 @@ def report(
 
     Examples:
 
-    * `ddp report runs/demo-20261122-023101`
-    * `ddp report runs/demo-20261122-023101 --out curves.png --json`
+    * `ddp report runs/demo-YYYYMMDD-HHMMSS`
+    * `ddp report runs/demo-YYYYMMDD-HHMMSS --out curves.png --json`
     * `ddp report s3://my-bucket/runs/demo` (report.png uploaded beside the run)
     """
     summary = reports.report(run_dir, out)

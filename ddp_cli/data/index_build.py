@@ -5,7 +5,8 @@ size seconds more reading the listing into the index (pandas and numpy, no
 torch). Neither needs the other, so `IndexBuild.begin` forks a child that
 builds the index before this process imports torch (forking is safe then: no
 torch threads, no CUDA), and `result()` takes it back over a pipe as numpy
-buffers (1.33 M rows: BENCHMARKS.md, "Start-up at ImageNet scale"). Where
+buffers: packed buffers, so ranks and loader processes share the pages instead of copying Python
+strings. Where
 torch is imported already (an in-process caller, a test), the index is built
 in place at `result()`, as it is when `fork` is false.
 """

@@ -135,8 +135,8 @@ def single_threaded() -> None:
 def worker_start() -> str:
     """Fork the workers from this launcher where that is safe, else spawn them afresh.
 
-    A forked worker starts with torch, torchvision and ddp imported: 2.5-4.5 s
-    less per worker (BENCHMARKS.md, "Start-up at ImageNet scale"). Forking is
+    A forked worker starts with torch, torchvision and ddp imported, so it
+    skips the seconds of imports a spawned one pays. Forking is
     unsafe after CUDA was initialised (the driver is not fork-safe; counting GPUs
     initialises it) and after a parallel OpenMP region ran (the child's first
     parallel region then hangs; `single_threaded` prevents that). So: fork where

@@ -10,7 +10,7 @@ memory does not grow with the data set) and reads each once per window. The
 training and validation loaders go further (`shared`, row_groups.py): every
 loader process of the node reads rows of every group of the window, so a group
 is decoded once per node and its images read from the node's copy (without it,
-2 loader processes trained at 0.73x the files' rate: BENCHMARKS.md, "Parquet");
+every loader process would decode every group again for its few rows);
 unless the process is the node's only reader (`readers_on_node`).
 
 Local files are read in place. Remote ones (S3) are read by range through
@@ -105,8 +105,8 @@ class ParquetReader:
     def _reset(self) -> None:
         """A fresh process (the first use, or a forked loader process): its own files, groups and lock. A
         loader process also takes Arrow's allocations from malloc, which keeps freed row groups for the
-        next: under pyarrow's default (mimalloc) a forked loader process spent ~25 ms of CPU per row group
-        read, 15 ms so (BENCHMARKS.md, "Parquet")."""
+        next; under pyarrow's default (mimalloc) a forked loader process spends markedly more CPU on each
+        row group it reads, CPU the decoding needs."""
         if self._pid != -1:
             import pyarrow as pa
 

@@ -39,7 +39,7 @@ GROUPS = Path(tempfile.gettempdir()) / f"ddp-row-groups-{os.getuid()}"  # the us
 def readers_on_node() -> int:
     """Processes of this node reading a data set as this one does: the node's ranks (torchrun's
     LOCAL_WORLD_SIZE) times each rank's loader processes (their count, inside one). One alone shares
-    nothing: writing its groups for nobody cost ~6 ms a group (BENCHMARKS.md, "Parquet")."""
+    nothing, so it skips writing its groups to shared memory that no other process would read."""
     from torch.utils.data import get_worker_info
 
     loader = get_worker_info()

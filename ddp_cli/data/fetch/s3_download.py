@@ -3,8 +3,8 @@
 shard_reader.py downloads remote shards whole, in the loader processes, on the
 cores that decode, so every millisecond spent receiving is one not spent
 decoding. s3fs's `get_file` hands the body over 64 KiB per turn of its event
-loop; botocore's synchronous client reads it straight off the socket: 10.5 ms
-of CPU per 8 MiB shard against 15.9 ms, on loopback (BENCHMARKS "Storage").
+loop; botocore's synchronous client reads it straight off the socket, with
+no event loop turning between the chunks, so less CPU goes to each byte.
 
 The client is made from the options `storage.s3_filesystem` gives s3fs
 (profile or the default credential chain, anon, endpoint and region, botocore

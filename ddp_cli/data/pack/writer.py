@@ -18,11 +18,10 @@ re-encoded at `--quality`: CMYK JPEGs, PNGs named .JPEG, any other format, and
 grayscale JPEGs too (the loader would turn them into RGB anyway; as RGB JPEGs
 every packed image decodes one way). `--max-side` shrinks through DCT scaling
 (libjpeg-turbo decodes at the largest 1/2, 1/4, 1/8 scale still >= the target)
-and then a Lanczos resize: measured on a 1600x1200 photo-like JPEG to 256 px,
-20 ms instead of 43 ms for a full decode + Lanczos, 47.7 dB PSNR against it.
-Encoding runs on threads: libjpeg-turbo and PIL's resize release the GIL, and
-processes measured slower (2 workers: 140 img/s in processes, 174 in threads;
-the image bytes cross a pipe both ways).
+and then a Lanczos resize: about half the time of a full decode + Lanczos, with
+pixels that differ from it below what the eye sees. Encoding runs on threads:
+libjpeg-turbo and PIL's resize release the GIL, and processes would send the
+image bytes across a pipe both ways.
 
 Shards close at the same image whatever the number of workers: images are
 encoded a chunk at a time in parallel, then added to the shard in pack order,

@@ -5,7 +5,7 @@ and colour jitter run through v2's PIL kernels: v2's tensor kernels cannot
 rotate, shear or translate bicubic (the ViT, ConvNeXt and EfficientNetV2
 recipes' interpolation) and are no faster bilinear on one core. The crop is
 uint8 HWC, PIL's own layout, so it goes there and back in two plain copies
-(~0.15 ms at 224 px; BENCHMARKS.md, "Augmentation policies"). Random erasing,
+(cheap beside the ops themselves). Random erasing,
 a slice assignment, stays on the tensor.
 
 Every random draw is v2's (its `make_params`, torch's global RNG), which

@@ -5,8 +5,8 @@ each output row is a weighted sum of the crop's rows, with weights that depend o
 the output's, and likewise for columns. So a crop resized is `Wy @ crop @ Wx^T`, and a batch of crops,
 zero-padded to the largest, is two batched matrix products, with every image's weights built at once from
 its crop's lengths (and a flip is `Wx` read backwards). Rendered image by image, the same work was some ten
-kernels an image, launched from Python: on an H100 that held the host 70 ms a batch of 256, half the
-ResNet-50 step it had to hide behind (`make gpu-check`'s input stage, BENCHMARKS.md). Here it is one copy an
+kernels an image, launched from Python, enough host time a batch to rival the GPU step it has to hide
+behind. Here it is one copy an
 image (into the padded batch) and a dozen kernels a batch. The weights are torch's own (`upsample_*_aa`:
 the filter widened by the downscale, cut at the crop's edges and normalised), so the pixels are
 `crop_resize(..., in_float=True)`'s up to float rounding.

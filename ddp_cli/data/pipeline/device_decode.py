@@ -27,7 +27,7 @@ of ddp's own: nvJPEG's engine would otherwise write memory that training still
 reads; `decode_jpegs`): the step keeps pace as long as the decode, the render's
 launches and the step's take less host time than the step takes the GPU, which
 `make gpu-check`'s input stage weighs. The render is batched for that: launched
-image by image it held an H100's host 70 ms a batch of 256.
+image by image, its kernels alone cost the host about as much as the step.
 
 An image the device's decoder refuses anyway is decoded on the rank's CPU
 (`images.decode`, PIL judging it) and goes on through the same steps; one PIL
@@ -153,7 +153,7 @@ def decode_jpegs(files: list[torch.Tensor], device: torch.device) -> list[torch.
     from the current stream's pool and nvJPEG writes it at once: its hardware engine (baseline JPEGs on
     A100 and later) does not wait for the work queued before it (pytorch/vision#9606). A block freed on
     the caller's stream by the training step still queued there would be overwritten under that step:
-    a ResNet-50 fed so on an H100 reached a NaN loss by step 4 (`make gpu-check`'s input stage). So the
+    its inputs silently corrupted, seen only later as a NaN loss (`make gpu-check`'s input stage). So the
     decode runs with a stream of its own current, whose pool holds only decoder outputs, each returned
     to it (`record_stream`) only once the caller's work using it has run; the caller's stream waits for
     the decode's on the device, and the host never waits for the training."""

@@ -48,8 +48,8 @@ def loader_bytes(cfg: DataConfig, workers: int, prefetch: int, ranks: int) -> in
     """The batches a node's loaders keep in shared memory at once: each rank has two loaders (train and
     val) whose processes persist, and at an epoch's end both hold `prefetch` collated batches per
     process (`batch_bytes`); and the rank itself one more, the batch it reads (or, with pinned memory,
-    the one its pin thread is copying out). Measured: the demo's 2 ranks x 1 loader process x 2
-    batches peaked at 992 KiB of /dev/shm, this count's 10 batches of 25 pages (BENCHMARKS.md)."""
+    the one its pin thread is copying out). Every batch that can be alive at once is counted, so the
+    estimate is what /dev/shm must hold at the peak, not on average."""
     return ranks * (2 * workers * prefetch + 1) * batch_bytes(cfg)
 
 
