@@ -33,7 +33,7 @@ from ddp_cli.config.run import RunConfig
 VAL_CROP_SHARE = 0.875  # val: the centre crop's share of the resized side (224 of 256), as torchvision's
 PROGRESSIVE_FROM = 32  # the smallest image_size progressive resizing is on for by default
 PROGRESSIVE_SCALE = 0.5  # the default first crop, of image_size (Composer's initial_scale)
-PROGRESSIVE_FLOOR = 24  # ... and at least this: a 16 px first crop cost the 32 px digits epochs
+PROGRESSIVE_FLOOR = 24  # ... and at least this: below it a small image loses the detail its classes live in
 PROGRESSIVE_REACH = 0.75  # on by default only where its steps reach this share of image_size (48 px: 32, off)
 PROGRESSIVE_RAMP = (0.4, 1.0)  # the default ramp, in fractions of the epochs: Composer's delay, to the end
 EMA_HORIZON = 100  # train.ema_decay "auto": averages over an epoch of steps, at least this many
@@ -174,7 +174,7 @@ def progressive_defaults(cfg: RunConfig, takes_any_size: bool) -> dict[str, Any]
 def default_min_image_size(data: DataConfig, may_resize: bool) -> int | None:
     """The first crop of progressive resizing when min_image_size is unset: PROGRESSIVE_SCALE x image_size
     to the nearest 16 px (a half up), and at least PROGRESSIVE_FLOOR. Unless data.progressive = true is
-    given, None where the default leaves it off: image_size under PROGRESSIVE_FROM (unmeasured there), or
+    given, None where the default leaves it off: image_size under PROGRESSIVE_FROM (its first crop would be the floor or more: nothing to gain), or
     where the ramp's last step before image_size is under PROGRESSIVE_REACH of it (48 px would train at 32
     throughout), and where the model may not take other sizes or FixMatch runs (`may_resize` false: its
     unlabelled views keep one size)."""
