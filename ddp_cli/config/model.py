@@ -77,7 +77,8 @@ class ModelConfig(Section):
         "and every checkpoint so that validate, predict and export rebuild it.",
     )
     channels_last: bool = Field(True, description="NHWC memory format: faster convolutions on CPU and GPU "
-                                "(oneDNN's and cuDNN's kernels are written for it: BENCHMARKS.md, \"Training step\"); false = NCHW.")
+                                "(oneDNN's and cuDNN's kernels are written for it: BENCHMARKS.md, \"Training "
+                                "step\"); false = NCHW.")
     blurpool: bool = Field(
         False, description="Anti-aliased downsampling (BlurPool, as FFCV's ResNets): every strided "
         "convolution past the stem low-pass filters its input first. torchvision's and timm's models and "

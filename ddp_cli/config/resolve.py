@@ -174,10 +174,10 @@ def progressive_defaults(cfg: RunConfig, takes_any_size: bool) -> dict[str, Any]
 def default_min_image_size(data: DataConfig, may_resize: bool) -> int | None:
     """The first crop of progressive resizing when min_image_size is unset: PROGRESSIVE_SCALE x image_size
     to the nearest 16 px (a half up), and at least PROGRESSIVE_FLOOR. Unless data.progressive = true is
-    given, None where the default leaves it off: image_size under PROGRESSIVE_FROM (its first crop would be the floor or more: nothing to gain), or
-    where the ramp's last step before image_size is under PROGRESSIVE_REACH of it (48 px would train at 32
-    throughout), and where the model may not take other sizes or FixMatch runs (`may_resize` false: its
-    unlabelled views keep one size)."""
+    given, None where the default leaves it off: image_size under PROGRESSIVE_FROM (a first crop at the
+    floor would be most of the image: little to gain), or where the ramp's last step before image_size is
+    under PROGRESSIVE_REACH of it (48 px would train at 32 throughout), and where the model may not take
+    other sizes or FixMatch runs (`may_resize` false: its unlabelled views keep one size)."""
     size = data.image_size
     half = math.floor(size * PROGRESSIVE_SCALE / 16 + 0.5) * 16  # a half rounds up: 112 -> 64, 80 -> 48
     start = max(PROGRESSIVE_FLOOR, half)
