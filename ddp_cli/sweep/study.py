@@ -30,7 +30,7 @@ from ddp_cli.errors import ConfigError, DdpError
 from ddp_cli.io import write_text
 from ddp_cli.models.user_model import with_located_model
 from ddp_cli.observe.mlflow_sink import PARENT_ENV, MlflowSink
-from ddp_cli.observe.sinks import read_metrics
+from ddp_cli.observe.report import served_records
 from ddp_cli.sweep import trials
 from ddp_cli.sweep.pruning import TRIAL_ENV, build_pruner
 from ddp_cli.sweep.report import BEST_CONFIG, best_trial, write_best_config, write_plots
@@ -151,10 +151,10 @@ def counted(study: Any) -> int:
 
 
 def objective_value(run_dir: Path, space: Space) -> float | None:
-    """The best epoch's validation metric of a run (the space's direction decides best)."""
-    path = run_dir / "metrics.jsonl"
-    records = read_metrics(path) if path.is_file() else []
-    values = [r[space.metric] for r in records if r.get("split") == "val"]
+    """The best epoch's validation metric of a run (the space's direction decides best), of the weights
+    its best.pt holds: the value its pruner was told each epoch, and `ddp report`'s best_top1."""
+    values = [r[space.metric] for r in served_records(run_dir)[1]] if (run_dir / "metrics.jsonl").is_file() \
+        else []
     if not values:
         return None
     return max(values) if space.direction == "maximize" else min(values)
