@@ -42,7 +42,7 @@ log = logging.getLogger("ddp")
 SWEEP_FILE = "sweep.json"  # in the sweep dir: its study and storage, for a resume by --sweep-dir
 DATABASE = "study.db"
 TRIAL_FAILS = (2, 4)  # a trial's exit codes that fail only that trial (its values refused, diverged)
-FINISHED = ("COMPLETE", "PRUNED", "RUNNING")  # trials that count towards --trials
+FINISHED = ("COMPLETE", "PRUNED", "RUNNING")  # trials that count towards --trials (`counts`)
 FAILS_IN_A_ROW = 3  # failed trials in a row that say the fault is not the values tried
 
 
@@ -142,12 +142,28 @@ def recover(study: Any, storage: Any) -> list[int]:
     return cut
 
 
+def counts(trial: Any, cut: set[int]) -> bool:
+    """Whether `trial` counts towards --trials: finished or running, or failed but not cut and queued
+    again (its retry counts instead)."""
+    return trial.state.name in FINISHED or (trial.state.name == "FAIL" and trial.number not in cut)
+
+
 def counted(study: Any) -> int:
-    """Trials that count towards --trials: finished or running, and failed ones but those cut and
-    queued again (their retry counts instead)."""
+    """Trials that count towards --trials (`counts`)."""
     every = study.get_trials(deepcopy=False)
     cut = cut_trials(every)
-    return sum(t.state.name in FINISHED or (t.state.name == "FAIL" and t.number not in cut) for t in every)
+    return sum(counts(t, cut) for t in every)
+
+
+def claims(study: Any, trial: Any, total: int) -> bool:
+    """Whether `trial`, just asked, is within --trials: fewer than `total` trials made before it (the
+    storage's trial ids, given in the order the trials were made, on one transaction each) count or are
+    queued. Sweep processes that checked `counted` at once each ask one; this rule keeps the first
+    `total` of all of them, whichever process asked, so a shared study runs exactly --trials."""
+    every = study.get_trials(deepcopy=False)
+    cut = cut_trials(every)
+    ahead = [t for t in every if t._trial_id < trial._trial_id]
+    return sum(counts(t, cut) or t.state.name == "WAITING" for t in ahead) < total
 
 
 def objective_value(run_dir: Path, space: Space) -> float | None:
@@ -204,6 +220,8 @@ class Sweep:
             if self.opts.timeout and time.monotonic() - started > self.opts.timeout:
                 break
             row = self.one_trial(study)
+            if row is None:  # other processes sharing the study took the last trials
+                break
             self.progress(row)
             self.in_a_row = self.in_a_row + 1 if row["state"] == "failed" else 0
             if self.in_a_row == FAILS_IN_A_ROW:
@@ -220,8 +238,15 @@ class Sweep:
             points *= len(param.grid())
         return min(self.opts.trials, points)
 
-    def one_trial(self, study: Any) -> dict[str, Any]:
+    def one_trial(self, study: Any) -> dict[str, Any] | None:
+        """Ask, run and tell one trial; None when the trial asked is past --trials (`claims`): it goes
+        back to the study's queue unrun, for a later sweep with more --trials."""
+        from optuna.trial import TrialState
+
         trial = study.ask()
+        if not claims(study, trial, self.total()):
+            self.storage.set_trial_state_values(trial._trial_id, TrialState.WAITING)
+            return None
         trial.set_user_attr("ddp_owner", owner())
         self.storage.record_heartbeat(trial._trial_id)
         if self.space.sampler["name"] != "grid":  # trial N samples with seed + N: a resumed or shared
