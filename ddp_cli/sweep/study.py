@@ -33,7 +33,7 @@ from ddp_cli.observe.mlflow_sink import PARENT_ENV, MlflowSink
 from ddp_cli.observe.report import served_records
 from ddp_cli.sweep import trials
 from ddp_cli.sweep.pruning import TRIAL_ENV, build_pruner
-from ddp_cli.sweep.report import BEST_CONFIG, best_trial, write_best_config, write_plots
+from ddp_cli.sweep.report import BEST_CONFIG, FINAL_EPOCHS, best_trial, write_best_config, write_plots
 from ddp_cli.sweep.space import Space, load_space
 from ddp_cli.sweep.storage import cut_trials, masked, open_storage, requeue
 from ddp_cli.userfiles import parse_toml, read_text
@@ -86,11 +86,15 @@ def place(opts: SweepOptions, base: RunConfig) -> Place:
     return Place(folder, opts.study or saved.get("study") or f"{base.name}-{stamp}", storage)
 
 
+def written(config: Path) -> dict[str, Any]:
+    return parse_toml(read_text(config, ConfigError), str(config), ConfigError)
+
+
 def base_config(opts: SweepOptions, base: RunConfig) -> dict[str, Any]:
     """The sweep's config as the user wrote it, with its --set: what the best config is written from,
     in the sweep's folder or wherever `sweep report --out` says. So a model file's path, relative to the
     config's folder as written, is made absolute, as `base` (the config read) holds it."""
-    raw = parse_toml(read_text(opts.config, ConfigError), str(opts.config), ConfigError)
+    raw = written(opts.config)
     for item in opts.overrides:
         apply_override(raw, item)
     if is_user_model(base.model.name):
@@ -203,6 +207,8 @@ class Sweep:
                               f"{study.direction.name.lower()}s; start a new study")
         if "ddp_config" not in study.user_attrs:
             study.set_user_attr("ddp_config", base_config(self.opts, self.base))
+            # the final run's epochs: the config file's own, not a quick search's --set (None: the default)
+            study.set_user_attr(FINAL_EPOCHS, written(self.opts.config).get("train", {}).get("epochs"))
             study.set_user_attr("ddp_space", self.space.as_dict())
         saved = {"study": where.study, "storage": masked(where.storage), "config": str(self.opts.config),
                  "space": str(self.opts.space)}

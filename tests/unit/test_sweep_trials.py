@@ -11,6 +11,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from ddp_cli.config import load_config
 from ddp_cli.sweep import study as study_module
 from ddp_cli.sweep import trials
 from ddp_cli.sweep.storage import open_storage
@@ -92,3 +93,17 @@ def test_sweep_processes_sharing_a_study_run_exactly_trials_between_them(tmp_pat
     assert set(states) <= {"COMPLETE", "WAITING"}  # a trial asked past --trials is queued again, unrun
     assert sorted(ran.get(timeout=5) for _ in range(n)) == sorted(
         t.number for t in made.get_trials() if t.state.name == "COMPLETE")
+
+
+def test_best_toml_holds_the_winners_values_and_the_configs_own_epochs_not_the_searchs(tmp_path, monkeypatch):
+    monkeypatch.setattr(trials, "run", fake_run(trials.Outcome(0, {}, "")))
+    monkeypatch.setattr(study_module, "write_plots", lambda study, folder: ({}, {}))
+    opts = options(tmp_path, 1)
+    opts = SweepOptions(**{**vars(opts), "overrides": ["train.epochs=2", "optim.momentum=0.8"]})  # quick
+    result = Sweep(opts, lambda row: None).run()
+    best = Path(result["best"]["config"])
+    cfg = load_config(best)
+    assert cfg.train.epochs == load_config(opts.config).train.epochs != 2  # the final run's: demo.toml's
+    assert cfg.optim.momentum == 0.8  # the search's other --set kept
+    assert cfg.optim.lr_per_256 == result["best"]["params"]["optim.lr_per_256"]
+    assert f"to train again for {cfg.train.epochs} epochs (the search's trials ran 2)" in best.read_text()
