@@ -34,20 +34,28 @@ def print_mapping(title: str, result: dict[str, Any]) -> None:
 
 
 def print_train_summary(result: dict[str, Any]) -> None:
-    final = result["final"]
-    Console().print(
-        f"[bold green]done[/] top-1 {final['top1']:.4f}  top-5 {final['top5']:.4f}  "
-        f"loss {final['loss']:.4f} on {final['images']} val images  "
-        f"({result['images_per_second']:.0f} img/s)\n"
-        f"run:        {result['run_dir']}\ncheckpoint: {result['checkpoint']}",
-        highlight=False,
-    )
+    """The last epoch's validation of the weights the run serves (best.pt's kind: the EMA's where
+    `weights` says so), the other weights' beside it, and best_top1 as result.json has it."""
+    final, ema = result["final"], result.get("final_ema")
+    served, other = (ema, final) if ema and result.get("weights") == "ema" else (final, ema)
+    names = ("EMA", "trained") if served is ema else ("trained", "EMA")
+    lines = [f"[bold green]done[/] {_scores(served)} on {served['images']} val images, {names[0]} weights  "
+             f"({result['images_per_second']:.0f} img/s)"]
+    lines += [f"            {names[1]} weights: {_scores(other)}"] if other else []
+    lines += [f"best:       top-1 {result['best_top1']:.4f} ({names[0]} weights, in best.pt)"] \
+        if result.get("best_top1", -1) >= 0 else []
+    lines += [f"run:        {result['run_dir']}", f"checkpoint: {result['checkpoint']}"]
+    Console().print("\n".join(lines), highlight=False, soft_wrap=True)
     if result.get("io_retries"):
         Console().print(f"storage:    {result['io_retries']} transient error(s) retried (data.io_retries)",
                         highlight=False)
     if result.get("pruned_at_epoch"):
         Console().print(f"pruned:     after epoch {result['pruned_at_epoch']} by the sweep's pruner",
                         highlight=False)
+
+
+def _scores(val: dict[str, Any]) -> str:
+    return f"top-1 {val['top1']:.4f}  top-5 {val['top5']:.4f}  loss {val['loss']:.4f}"
 
 
 def print_validation(result: dict[str, Any]) -> None:

@@ -27,7 +27,9 @@ from rich.table import Table
 
 log = logging.getLogger("ddp")
 COLUMNS = {"epoch": "epoch", "train_loss": "train loss", "val_loss": "val loss", "top1": "top-1",
-           "top5": "top-5", "seconds": "time s", "images_per_second": "img/s", "skipped": "skipped"}
+           "top5": "top-5", "ema_top1": "EMA top-1", "seconds": "time s", "images_per_second": "img/s",
+           "skipped": "skipped"}
+OPTIONAL = ("ema_top1",)  # a column only where a row has it (the EMA's: train.ema_decay > 0)
 
 
 class RunConsole:
@@ -92,10 +94,11 @@ class RunConsole:
 
     def table(self) -> Table:
         table = Table(title="epochs", title_justify="left", expand=False)
-        for title in COLUMNS.values():
-            table.add_column(title, justify="right")
+        keys = [k for k in COLUMNS if k not in OPTIONAL or any(k in row for row in self.rows)]
+        for key in keys:
+            table.add_column(COLUMNS[key], justify="right")
         for row in self.rows:
-            table.add_row(*(_cell(row.get(key, "")) for key in COLUMNS))
+            table.add_row(*(_cell(row.get(key, "")) for key in keys))
         return table
 
     def _view(self) -> Group:

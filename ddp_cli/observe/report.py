@@ -13,6 +13,7 @@ from typing import Any
 from ddp_cli.errors import ConfigError, require_extra
 from ddp_cli.observe import classes
 from ddp_cli.observe.sinks import read_metrics
+from ddp_cli.userfiles import parse_toml, read_text
 
 
 def load_records(run_dir: Path, split: str = "train") -> tuple[list[dict], list[dict]]:
@@ -25,6 +26,25 @@ def load_records(run_dir: Path, split: str = "train") -> tuple[list[dict], list[
             [r for r in records if r.get("split") == "val"])
 
 
+def served(run_dir: Path, ema: list[dict]) -> str:
+    """Whose top-1 best.pt tracks, so whose weights validate, predict and export serve: "ema" or "model",
+    as the run's config.toml says (`checkpoint.best_metric`); for a run dir without one, resolve's rule
+    (the EMA's where the run has one)."""
+    path = run_dir / "config.toml"
+    metric = (parse_toml(read_text(path), str(path)).get("checkpoint", {}).get("best_metric")
+              if path.is_file() else None) or ("ema_top1" if ema else "top1")
+    return "ema" if metric == "ema_top1" else "model"
+
+
+def served_records(run_dir: Path) -> tuple[str, list[dict]]:
+    """(`served`'s answer, the validation records of those weights): what best_top1 and a sweep's
+    objective are read from."""
+    _, val = load_records(run_dir)
+    ema = load_records(run_dir, "val_ema")[0]
+    weights = served(run_dir, ema)
+    return weights, ema if weights == "ema" else val
+
+
 def semi_summary(run_dir: Path) -> dict[str, Any]:
     """FixMatch's last epoch (mask rate, pseudo-label accuracy), where the run had it on."""
     epochs, _ = load_records(run_dir, "semi")
@@ -33,8 +53,10 @@ def semi_summary(run_dir: Path) -> dict[str, Any]:
 
 def summarize(run_dir: Path) -> dict[str, Any]:
     train, val = load_records(run_dir)
-    best = max(val, key=lambda r: r["top1"], default=None)
-    last = val[-1] if val else {}
+    ema = load_records(run_dir, "val_ema")[0]
+    weights = served(run_dir, ema)
+    best = max(ema if weights == "ema" else val, key=lambda r: r["top1"], default=None)
+    last, last_ema = (val[-1] if val else {}), (ema[-1] if ema else {})
     rates = [r["images_per_second"] for r in train if r.get("images_per_second")]
     return {
         "run_dir": str(run_dir),
@@ -46,7 +68,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "top1": last.get("top1"),
         "top5": last.get("top5"),
         "val_loss": last.get("loss"),
-        "best_top1": best["top1"] if best else None,
+        "ema_top1": last_ema.get("top1"),
+        "ema_top5": last_ema.get("top5"),
+        "ema_val_loss": last_ema.get("loss"),
+        "weights": weights,
+        "best_top1": best["top1"] if best else None,  # of the weights best.pt holds, as result.json's
         "best_epoch": best["epoch"] if best else None,
         "images_per_second": median(rates) if rates else None,
         **classes.summary(classes.latest_evaluation(run_dir)),
@@ -63,15 +89,17 @@ def figure(run_dir: Path):
     import matplotlib.pyplot as plt
 
     train, val = load_records(run_dir)
+    ema = load_records(run_dir, "val_ema")[0]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     (loss_ax, acc_ax), (lr_ax, speed_ax) = axes
     steps = [r["step"] for r in train]
     loss_ax.plot(steps, [r["loss"] for r in train], label="train (epoch running mean)")
     loss_ax.plot([r["step"] for r in val], [r["loss"] for r in val], "o-", label="val")
-    loss_ax.set(title="loss", xlabel="step", yscale="log")
     epochs = [r["epoch"] for r in val]
     acc_ax.plot(epochs, [r["top1"] for r in val], "o-", label="top-1")
     acc_ax.plot(epochs, [r["top5"] for r in val], "s--", label="top-5")
+    plot_ema(ema, served(run_dir, ema), loss_ax, acc_ax)
+    loss_ax.set(title="loss", xlabel="step", yscale="log")
     acc_ax.set(title="validation accuracy", xlabel="epoch", ylim=(0, 1.02))
     acc_ax.xaxis.get_major_locator().set_params(integer=True)
     lr_ax.plot(steps, [r["lr"] for r in train])
@@ -85,6 +113,16 @@ def figure(run_dir: Path):
         ax.grid(alpha=0.3)
     fig.suptitle(run_dir.name)
     return fig
+
+
+def plot_ema(ema: list[dict], weights: str, loss_ax, acc_ax) -> None:
+    """The EMA's validation beside the trained weights', where the run had one; the legend names the
+    weights best.pt holds."""
+    if not ema:
+        return
+    mark = " (best.pt)" if weights == "ema" else ""
+    loss_ax.plot([r["step"] for r in ema], [r["loss"] for r in ema], "D-", label=f"val EMA{mark}")
+    acc_ax.plot([r["epoch"] for r in ema], [r["top1"] for r in ema], "D-", label=f"EMA top-1{mark}")
 
 
 def plot_semi(run_dir: Path, train: list[dict], loss_ax, acc_ax) -> None:

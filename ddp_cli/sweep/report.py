@@ -4,6 +4,7 @@ Optuna's pictures (optimisation history, parameter importances, parallel coordin
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from pathlib import Path
@@ -18,6 +19,7 @@ from ddp_cli.sweep.trials import toml_value
 
 log = logging.getLogger("ddp")
 BEST_CONFIG = "best.toml"
+FINAL_EPOCHS = "ddp_final_epochs"  # a study's user attr: train.epochs of the config file, without --set
 PLOTS = {"history": "plot_optimization_history", "importances": "plot_param_importances",
          "parallel_coordinate": "plot_parallel_coordinate"}
 
@@ -49,16 +51,27 @@ def rows(study: Any) -> list[dict[str, Any]]:
 
 
 def best_config_text(study: Any, trial: Any) -> str:
-    """The sweep's config (as written, with its --set) with the trial's values: checked as the run
-    config it is, so `ddp train` takes it as is."""
-    raw = study.user_attrs.get("ddp_config")
+    """The sweep's config (as written, with its --set) with the trial's values, for the final run: its
+    train.epochs the config file's own (FINAL_EPOCHS; unset there: the default), not a quick search's
+    --set, unless the space searched train.epochs. Checked as the run config it is, so `ddp train`
+    takes it as is."""
+    raw = copy.deepcopy(study.user_attrs.get("ddp_config"))
     if not isinstance(raw, dict):
         raise ConfigError(f"study {study.study_name}: not made by `ddp sweep` (no config of its own)")
+    searched = raw.get("train", {}).get("epochs")
+    if FINAL_EPOCHS in study.user_attrs:  # a study made before it was recorded keeps the search's
+        raw.setdefault("train", {}).pop("epochs", None)
+        if study.user_attrs[FINAL_EPOCHS] is not None:
+            raw["train"]["epochs"] = study.user_attrs[FINAL_EPOCHS]
+        if not raw["train"]:
+            del raw["train"]
     for key, value in trial.params.items():
         apply_override(raw, f"{key}={toml_value(value)}")
-    config_from_dict(raw, f"study {study.study_name}'s best config")
-    header = (f"# The best trial ({trial.number}, value {trial.value}) of study {study.study_name}:\n"
-              f"#   ddp train {BEST_CONFIG}\n")
+    epochs = config_from_dict(raw, f"study {study.study_name}'s best config").train.epochs
+    ran = trial.params.get("train.epochs", searched)
+    note = "" if ran in (None, epochs) else f" (the search's trials ran {ran})"
+    header = (f"# The best trial ({trial.number}, value {trial.value}) of study {study.study_name}, "
+              f"to train again for {epochs} epochs{note}:\n#   ddp train {BEST_CONFIG}\n")
     return header + tomli_w.dumps(raw)
 
 

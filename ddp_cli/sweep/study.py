@@ -30,10 +30,10 @@ from ddp_cli.errors import ConfigError, DdpError
 from ddp_cli.io import write_text
 from ddp_cli.models.user_model import with_located_model
 from ddp_cli.observe.mlflow_sink import PARENT_ENV, MlflowSink
-from ddp_cli.observe.sinks import read_metrics
+from ddp_cli.observe.report import served_records
 from ddp_cli.sweep import trials
 from ddp_cli.sweep.pruning import TRIAL_ENV, build_pruner
-from ddp_cli.sweep.report import BEST_CONFIG, best_trial, write_best_config, write_plots
+from ddp_cli.sweep.report import BEST_CONFIG, FINAL_EPOCHS, best_trial, write_best_config, write_plots
 from ddp_cli.sweep.space import Space, load_space
 from ddp_cli.sweep.storage import cut_trials, masked, open_storage, requeue
 from ddp_cli.userfiles import parse_toml, read_text
@@ -42,7 +42,7 @@ log = logging.getLogger("ddp")
 SWEEP_FILE = "sweep.json"  # in the sweep dir: its study and storage, for a resume by --sweep-dir
 DATABASE = "study.db"
 TRIAL_FAILS = (2, 4)  # a trial's exit codes that fail only that trial (its values refused, diverged)
-FINISHED = ("COMPLETE", "PRUNED", "RUNNING")  # trials that count towards --trials
+FINISHED = ("COMPLETE", "PRUNED", "RUNNING")  # trials that count towards --trials (`counts`)
 FAILS_IN_A_ROW = 3  # failed trials in a row that say the fault is not the values tried
 
 
@@ -86,11 +86,15 @@ def place(opts: SweepOptions, base: RunConfig) -> Place:
     return Place(folder, opts.study or saved.get("study") or f"{base.name}-{stamp}", storage)
 
 
+def written(config: Path) -> dict[str, Any]:
+    return parse_toml(read_text(config, ConfigError), str(config), ConfigError)
+
+
 def base_config(opts: SweepOptions, base: RunConfig) -> dict[str, Any]:
     """The sweep's config as the user wrote it, with its --set: what the best config is written from,
     in the sweep's folder or wherever `sweep report --out` says. So a model file's path, relative to the
     config's folder as written, is made absolute, as `base` (the config read) holds it."""
-    raw = parse_toml(read_text(opts.config, ConfigError), str(opts.config), ConfigError)
+    raw = written(opts.config)
     for item in opts.overrides:
         apply_override(raw, item)
     if is_user_model(base.model.name):
@@ -142,19 +146,35 @@ def recover(study: Any, storage: Any) -> list[int]:
     return cut
 
 
+def counts(trial: Any, cut: set[int]) -> bool:
+    """Whether `trial` counts towards --trials: finished or running, or failed but not cut and queued
+    again (its retry counts instead)."""
+    return trial.state.name in FINISHED or (trial.state.name == "FAIL" and trial.number not in cut)
+
+
 def counted(study: Any) -> int:
-    """Trials that count towards --trials: finished or running, and failed ones but those cut and
-    queued again (their retry counts instead)."""
+    """Trials that count towards --trials (`counts`)."""
     every = study.get_trials(deepcopy=False)
     cut = cut_trials(every)
-    return sum(t.state.name in FINISHED or (t.state.name == "FAIL" and t.number not in cut) for t in every)
+    return sum(counts(t, cut) for t in every)
+
+
+def claims(study: Any, trial: Any, total: int) -> bool:
+    """Whether `trial`, just asked, is within --trials: fewer than `total` trials made before it (the
+    storage's trial ids, given in the order the trials were made, on one transaction each) count or are
+    queued. Sweep processes that checked `counted` at once each ask one; this rule keeps the first
+    `total` of all of them, whichever process asked, so a shared study runs exactly --trials."""
+    every = study.get_trials(deepcopy=False)
+    cut = cut_trials(every)
+    ahead = [t for t in every if t._trial_id < trial._trial_id]
+    return sum(counts(t, cut) or t.state.name == "WAITING" for t in ahead) < total
 
 
 def objective_value(run_dir: Path, space: Space) -> float | None:
-    """The best epoch's validation metric of a run (the space's direction decides best)."""
-    path = run_dir / "metrics.jsonl"
-    records = read_metrics(path) if path.is_file() else []
-    values = [r[space.metric] for r in records if r.get("split") == "val"]
+    """The best epoch's validation metric of a run (the space's direction decides best), of the weights
+    its best.pt holds: the value its pruner was told each epoch, and `ddp report`'s best_top1."""
+    values = [r[space.metric] for r in served_records(run_dir)[1]] if (run_dir / "metrics.jsonl").is_file() \
+        else []
     if not values:
         return None
     return max(values) if space.direction == "maximize" else min(values)
@@ -187,6 +207,8 @@ class Sweep:
                               f"{study.direction.name.lower()}s; start a new study")
         if "ddp_config" not in study.user_attrs:
             study.set_user_attr("ddp_config", base_config(self.opts, self.base))
+            # the final run's epochs: the config file's own, not a quick search's --set (None: the default)
+            study.set_user_attr(FINAL_EPOCHS, written(self.opts.config).get("train", {}).get("epochs"))
             study.set_user_attr("ddp_space", self.space.as_dict())
         saved = {"study": where.study, "storage": masked(where.storage), "config": str(self.opts.config),
                  "space": str(self.opts.space)}
@@ -204,6 +226,8 @@ class Sweep:
             if self.opts.timeout and time.monotonic() - started > self.opts.timeout:
                 break
             row = self.one_trial(study)
+            if row is None:  # other processes sharing the study took the last trials
+                break
             self.progress(row)
             self.in_a_row = self.in_a_row + 1 if row["state"] == "failed" else 0
             if self.in_a_row == FAILS_IN_A_ROW:
@@ -220,8 +244,15 @@ class Sweep:
             points *= len(param.grid())
         return min(self.opts.trials, points)
 
-    def one_trial(self, study: Any) -> dict[str, Any]:
+    def one_trial(self, study: Any) -> dict[str, Any] | None:
+        """Ask, run and tell one trial; None when the trial asked is past --trials (`claims`): it goes
+        back to the study's queue unrun, for a later sweep with more --trials."""
+        from optuna.trial import TrialState
+
         trial = study.ask()
+        if not claims(study, trial, self.total()):
+            self.storage.set_trial_state_values(trial._trial_id, TrialState.WAITING)
+            return None
         trial.set_user_attr("ddp_owner", owner())
         self.storage.record_heartbeat(trial._trial_id)
         if self.space.sampler["name"] != "grid":  # trial N samples with seed + N: a resumed or shared

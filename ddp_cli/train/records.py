@@ -39,10 +39,10 @@ class EpochEnd:
     def history_row(self) -> dict[str, Any]:
         """The run's history entry (`RunState.history`), also the console's epoch line."""
         return {"epoch": self.epoch, "train_loss": self.train_loss, "val_loss": self.val["loss"],
-                "top1": self.val["top1"], "top5": self.val["top5"], "seconds": self.seconds,
+                "top1": self.val["top1"], "top5": self.val["top5"],
+                **({"ema_top1": self.ema_val["top1"]} if self.ema_val else {}), "seconds": self.seconds,
                 "images_per_second": self.images_per_second, "skipped": self.skipped,
-                "io_retries": self.io_retries,
-                **({"ema_top1": self.ema_val["top1"]} if self.ema_val else {}), **self.metrics}
+                "io_retries": self.io_retries, **self.metrics}
 
     def validation_keys(self) -> dict[str, Any]:
         """What each validation record of metrics.jsonl (`val`, `val_ema`) carries besides its metrics."""

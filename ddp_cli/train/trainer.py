@@ -403,7 +403,8 @@ class Trainer:
             "precision": self.precision,
             "final": self.state.final,
             "final_ema": self.state.final_ema,
-            "best_top1": self.state.best_top1,
+            "best_top1": self.state.best_top1,  # of the weights best.pt holds (checkpoint.best_metric)
+            "weights": "ema" if self.cfg.checkpoint.best_metric == "ema_top1" else "model",  # ... these
             "images_per_second": images_per_second,
             "skipped_images": len(self.state.skipped_files),  # distinct bad files, whole run
             "io_retries": self.state.io_retries,  # transient storage errors retried, whole run

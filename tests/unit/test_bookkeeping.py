@@ -83,10 +83,10 @@ def test_an_epochs_end_is_written_as_the_history_row_and_the_validation_keys_the
     end = EpochEnd(2, 1.25, val, {"loss": 0.4, "top1": 0.85, "top5": 0.95, "images": 10}, 3.0, 64.0, 2, 5,
                    0.01, 224, {"mask_rate": 0.5})
     assert end.history_row() == {"epoch": 2, "train_loss": 1.25, "val_loss": 0.5, "top1": 0.8, "top5": 0.9,
-                                 "seconds": 3.0, "images_per_second": 64.0, "skipped": 2, "io_retries": 5,
-                                 "ema_top1": 0.85, "mask_rate": 0.5}
-    assert list(end.history_row()) == ["epoch", "train_loss", "val_loss", "top1", "top5", "seconds",
-                                       "images_per_second", "skipped", "io_retries", "ema_top1", "mask_rate"]
+                                 "ema_top1": 0.85, "seconds": 3.0, "images_per_second": 64.0, "skipped": 2,
+                                 "io_retries": 5, "mask_rate": 0.5}
+    assert list(end.history_row()) == ["epoch", "train_loss", "val_loss", "top1", "top5", "ema_top1",
+                                       "seconds", "images_per_second", "skipped", "io_retries", "mask_rate"]
     assert end.validation_keys() == {"lr": 0.01, "image_size": 224, "images_per_second": 64.0,
                                      "skipped_images": 2, "io_retries": 5}
     assert list(end.validation_keys()) == ["lr", "image_size", "images_per_second", "skipped_images",

@@ -18,6 +18,7 @@ METRICS = [{"split": "train", "epoch": 1, "step": 4, "loss": 1.2, "lr": 0.1, "im
            {"split": "val", "epoch": 1, "step": 4, "loss": 0.5, "top1": 0.8, "top5": 0.95}]
 OLD_KEYS = {"run_dir", "finished", "epochs_done", "steps", "last_train_loss", "last_lr", "top1", "top5",
             "val_loss", "best_top1", "best_epoch", "images_per_second", "plot"}
+EMA_KEYS = {"ema_top1", "ema_top5", "ema_val_loss", "weights"}  # the EMA beside the trained weights
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +124,7 @@ def test_report_json_writes_the_classes_png_beside_the_curves(tmp_path):
     result = CliRunner().invoke(app, ["report", str(run), "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary.keys() == OLD_KEYS | {"classes_plot", "evaluation", "worst_classes"}
+    assert summary.keys() == OLD_KEYS | EMA_KEYS | {"classes_plot", "evaluation", "worst_classes"}
     assert summary["plot"] == str(out)
     assert summary["classes_plot"] == str(tmp_path / "pictures" / "curves-classes.png")
     assert summary["evaluation"] == "validate best.pt"
@@ -137,6 +138,6 @@ def test_a_run_without_evaluation_reports_as_before_with_null_keys(tmp_path):
     result = CliRunner().invoke(app, ["report", str(run), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary.keys() == OLD_KEYS | {"classes_plot", "evaluation"}
+    assert summary.keys() == OLD_KEYS | EMA_KEYS | {"classes_plot", "evaluation"}
     assert summary["classes_plot"] is None and summary["evaluation"] is None
     assert (run / "report.png").is_file() and not (run / "report-classes.png").exists()
