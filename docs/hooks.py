@@ -8,9 +8,9 @@ differ from what the code generates; tests/unit/test_docs_commands.py checks it 
   when the site is built (Typer's own Markdown renderer, the one behind `typer ... utils docs`), plus
   the options hidden from `--help` that the commands still accept.
 - `reference/config.md`: every run-config key, its default and description, from the pydantic models
-  (`ddp_cli.config.reference_markdown`).
-- `benchmarks.md` and `changelog.md`: BENCHMARKS.md and CHANGELOG.md from the repository root, and `benchmarks/reports/*.md`, the dated
-  reports it links to (in the site, out of the navigation).
+  (`ddp_cli.config.reference.reference_markdown`).
+- `benchmarks.md` and `changelog.md`: BENCHMARKS.md and CHANGELOG.md from the repository root, and
+  `benchmarks/reports/*.md`, the dated reports it links to (in the site, out of the navigation).
 
 Pages are written to be read on the code host too, so they link to files of the repository
 (`../BENCHMARKS.md#storage`, `../../BENCHMARKS.md`): `on_page_markdown` rewrites each such link to the
