@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_cli.config import config_from_dict
+from ddp_cli.config import config_from_dict, load_config
 from ddp_cli.config.resolve import (
     AUTO_KEYS,
     DERIVED_KEYS,
@@ -230,3 +230,13 @@ def test_the_scan_finds_what_it_looks_for():
     assert auto_reads(ast.parse('x = resume == "auto"')) == []  # not a config key: --resume's own "auto"
     assert derived_fills(ast.parse('cfg = cfg.resolved({"data.val_resize": 128})')) == [1]
     assert derived_fills(ast.parse('cfg = cfg.resolved({"data.batch_size": 8})')) == []
+
+
+def test_a_run_dir_of_the_release_before_the_resolve_pass_resolves_to_itself():
+    """tests/fixtures/run-0.1.0: a demo run dir written by ddp 0.1.0 (before the config package). Its
+    config.toml holds every key as that release resolved it; the pass changes none of them on any facts,
+    so the run resumes as it trained (tests/e2e/test_old_run_dir.py resumes it to the same weights)."""
+    written = load_config(PACKAGE.parent / "tests/fixtures/run-0.1.0/config.toml")
+    assert autos(written) == set()
+    for facts in (Facts(), Facts("cuda", "bf16", 8, 1250, False, True, 7)):
+        assert resolve(written, facts) == written
