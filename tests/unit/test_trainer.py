@@ -61,7 +61,7 @@ class TwoRanks:
         return [rng.capture(), rng.capture()]
 
 
-def test_a_resume_at_another_world_size_scales_the_peak_lr_by_lr_per_256_and_goes_on_at_the_same_epoch_fraction(
+def test_a_resume_at_another_world_size_scales_the_peak_lr_by_lr_per_256_and_keeps_the_epoch_fraction(
         one_rank, tmp_path):
     """Written at world size 2 (global batch 8, peak 2.0 x 8 / 256) after 1.5 of 4 epochs of 4 steps;
     resumed at world size 4 (global batch 16, 2 steps an epoch): peak 2.0 x 16 / 256 = 0.125, and the
