@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ddp_cli.config import AugmentConfig, RunConfig
@@ -13,21 +14,45 @@ from ddp_cli.distributed.reduce import powersgd_warmup
 from ddp_cli.models.weights import is_timm_pretrained
 from ddp_cli.models.zoo import count_parameters
 from ddp_cli.preflight import Preflight
+from ddp_cli.run.training import chosen_checkpoint
+from ddp_cli.train.checkpoint import RunState, load_checkpoint
 from ddp_cli.train.optim import param_groups
-from ddp_cli.train.schedules import lr_factor, warmup_steps
+from ddp_cli.train.resumed import Resumed, resumed
+from ddp_cli.train.schedules import lr_at, lr_factor, warmup_steps
+from ddp_cli.train.trainer import resume_position
 
 
-def lr_preview(cfg: RunConfig, lr: float, steps: int) -> dict[str, float]:
-    """The LR at the first step, the end of warmup, a few epoch starts and the last step."""
+def lr_preview(cfg: RunConfig, lr: float, steps: int, start: int = 0) -> dict[str, float]:
+    """The LR at the first step (a resume's next one, `start`), the end of warmup, a few epoch starts
+    and the last step."""
     epochs = cfg.train.epochs
     total, warmup = steps * epochs, warmup_steps(cfg.schedule, steps)
     factor = lr_factor(cfg.schedule, steps, total)
-    points = {0: "step 0 (first)", total - 1: f"step {total - 1} (last)"}
+    points = {start: f"step {start} (next, resumed)" if start else "step 0 (first)",
+              total - 1: f"step {total - 1} (last)"}
     for e in sorted({1, epochs // 4, epochs // 2, 3 * epochs // 4} - {0}):
         points.setdefault(e * steps, f"epoch {e + 1} (step {e * steps})")
     if 0 < warmup < total:
         points[warmup] = f"step {warmup} (warmup done)"
-    return {label: lr * factor(step) for step, label in sorted(points.items())}
+    return {label: lr * factor(step) for step, label in sorted(points.items()) if start <= step < total}
+
+
+def resume_plan(run: Preflight, run_dir: Path | None) -> Resumed | None:
+    """The checkpoint `train` would resume from in `run_dir` (with --resume auto, none without one: a new
+    run dir), read as the workers read it, and what the resume changes: the next step's LR as the
+    workers' scheduler sets it (`Trainer.resume`), at this world size."""
+    path = chosen_checkpoint(run.resume, run_dir) if run_dir or run.resume != "auto" else None
+    if path is None:
+        return None
+    saved = load_checkpoint(path)
+    cfg, steps, state = run.cfg, run.steps_per_epoch, RunState()
+    state.load_state_dict(saved)
+    peak, position = saved["scheduler"]["base_lrs"][0], state.step
+    if (len(saved["rng"]), state.global_batch) != (run.workers.world_size, run.global_batch):
+        peak *= run.lr / cfg.optim.effective_lr(state.global_batch)
+        _, position = resume_position(state.epoch, state.samples_in_epoch, run.global_batch, steps)
+    lr = lr_at(cfg.schedule, steps, steps * cfg.train.epochs, peak, position, groups(run)[0]["frozen_epochs"])
+    return resumed(path, saved, cfg, lr, position)
 
 
 def image_sizes(cfg: RunConfig) -> dict[str, int]:
@@ -133,9 +158,10 @@ def groups(run: Preflight) -> list[dict[str, Any]]:
             for group in param_groups(run.model, run.cfg.optim, run.cfg.model)]
 
 
-def describe(run: Preflight) -> dict[str, Any]:
-    """The plan of a run that passed preflight."""
+def describe(run: Preflight, resumes: Resumed | None = None) -> dict[str, Any]:
+    """The plan of a run that passed preflight, going on from `resumes` where it is one."""
     cfg, workers, steps = run.cfg, run.workers, run.steps_per_epoch
+    start = resumes.schedule_step if resumes and not resumes.finished else 0
     reduce: dict[str, Any] = {"reduce": cfg.distributed.reduce}
     if cfg.distributed.reduce == "powersgd":
         reduce["powersgd_warmup_steps"] = powersgd_warmup(cfg.distributed, steps * cfg.train.epochs)
@@ -160,7 +186,7 @@ def describe(run: Preflight) -> dict[str, Any]:
                     f"lr_per_256 {cfg.optim.lr_per_256:g} x {run.global_batch} / 256"),
         "schedule": cfg.schedule.name,
         "warmup_steps": warmup_steps(cfg.schedule, steps),
-        "lr_schedule": lr_preview(cfg, run.lr, steps),
+        "lr_schedule": lr_preview(cfg, run.lr, steps, start),
         "param_groups": groups(run),
         "image_size": image_sizes(cfg),
         "augmentation": augmentation(cfg),
@@ -174,5 +200,7 @@ def describe(run: Preflight) -> dict[str, Any]:
         "recipe": recipe(cfg),
         **({"semi": semi_plan(run)} if cfg.semi.on() or cfg.semi.labels_per_class else {}),
         "resume": run.resume,
+        "resumes": resumes.as_dict() if resumes else None,
+        **({"resume_line": resumes.line()} if resumes else {}),
         **reduce,
     }

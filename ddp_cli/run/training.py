@@ -78,16 +78,22 @@ def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
     choice: list[str | None] = [None]
     if ctx.rank == 0:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-        if restarted or job.resume == "auto":
-            latest = CheckpointStore(folder / "checkpoints", 1).latest_valid()
-            choice[0] = latest.name if latest else None
-        elif job.resume != "never":
-            choice[0] = job.resume
+        resume = "auto" if restarted else job.resume
+        chosen = chosen_checkpoint(resume, folder)  # auto: by name, in each node's run dir
+        choice[0] = None if chosen is None else chosen.name if resume == "auto" else str(chosen)
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         return None
     path = Path(choice[0])
     return path if path.is_absolute() else folder / "checkpoints" / path
+
+
+def chosen_checkpoint(resume: str, folder: Path) -> Path | None:
+    """The checkpoint `--resume` names in run dir `folder`: auto, its newest valid one (None where it has
+    none); never, None; else the path given. `train --dry-run` shows it."""
+    if resume == "auto":
+        return CheckpointStore(folder / "checkpoints", 1).latest_valid()
+    return None if resume == "never" else Path(resume)
 
 
 def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
@@ -131,9 +137,9 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
 
 
 def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
-              index: IndexTable, job: Job, startup: StartupClock, writes: bool) -> dict[str, Any]:
-    """Train; a write the storage refused on the way (a checkpoint, metrics) names the checkpoint to
-    resume from."""
+              index: IndexTable, job: Job, startup: StartupClock, writes: bool) -> dict[str, Any] | None:
+    """Train (None: a finished run, its result.json left as it was); a write the storage refused on the
+    way (a checkpoint, metrics) names the checkpoint to resume from."""
     try:
         return train(cfg, ctx, folder, entry, index, job, startup, writes)
     except WriteError as e:
@@ -141,14 +147,19 @@ def train_job(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntr
 
 
 def train(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
-          index: IndexTable, job: Job, startup: StartupClock, writes: bool) -> dict[str, Any]:
+          index: IndexTable, job: Job, startup: StartupClock, writes: bool) -> dict[str, Any] | None:
+    """Train from scratch or from the resume point; a resume says what it changes (`Resumed.line`, even
+    with --quiet/--json: a run that did not start fresh must say so). A run that has trained every epoch
+    asked ends here, training nothing: None, its result.json left as it was (where it has none, one is
+    written: the run's figures, no throughput)."""
     trainer = build_trainer(cfg, ctx, folder, entry, index, job, startup, writes)
     checkpoint = resume_point(job, folder, ctx)
-    if checkpoint:
-        trainer.resume(checkpoint)
-        if ctx.is_main:  # said even with --quiet/--json: a run that did not start fresh must say so
-            log.info(f"resumed from {checkpoint} (epoch {trainer.state.epoch + 1}, "
-                     f"step {trainer.state.step})")
+    resumed = trainer.resume(checkpoint) if checkpoint else None
+    if resumed and ctx.is_main:
+        log.info(resumed.line())
+    if resumed and resumed.finished:  # every rank alike: no collective follows
+        trainer.close()
+        return None if (folder / "result.json").is_file() else trainer.summary(0.0)
     try:
         assert_identical_across_ranks(trainer.model.module, "at the start")
         startup.mark("replica_check")

@@ -64,8 +64,8 @@ def job_outcome(folder: Path, startup: StartupClock) -> int:
             result = predict_job(cfg, ctx, folder, entry, index, job, writes)
         else:
             result = validate_job(cfg, ctx, entry, index, job)
-        if writes:  # every node's launcher reports it (results are reduced, the same)
-            write_result(folder, result)
+        if writes and result is not None:  # every node's launcher reports it (results are reduced, the
+            write_result(folder, result)  # same); None: a finished run's result.json stays as it was
         dist.barrier()  # a node that reads rank 0's copy, once it is there
         return 0
     except DdpError as e:

@@ -65,6 +65,13 @@ def held_at_zero(factor: Callable[[int], float], steps: int) -> Callable[[int], 
     return factor if not steps else lambda step: 0.0 if step < steps else factor(step)
 
 
+def lr_at(cfg: ScheduleConfig, steps_per_epoch: int, total_steps: int, peak: float, step: int,
+          frozen_epochs: int = 0) -> float:
+    """The LR `build_scheduler` gives a group of peak LR `peak` at `step`, without an optimiser (a plan)."""
+    factor = held_at_zero(lr_factor(cfg, steps_per_epoch, total_steps), frozen_epochs * steps_per_epoch)
+    return peak * factor(step)
+
+
 def resume_schedule(scheduler: LambdaLR, peak_ratio: float, step: int) -> None:
     """Go on at `step` with every group's peak LR times `peak_ratio`: a resume at another world size,
     where the steps per epoch (and with lr_per_256 the peak LR) changed. LambdaLR keeps the peak in

@@ -56,6 +56,7 @@ from ddp_cli.train.objectives import Micro, build_objective, on_device
 from ddp_cli.train.optim import build_optimizer
 from ddp_cli.train.precision import autocast, grad_scaler
 from ddp_cli.train.records import EpochEnd, row
+from ddp_cli.train.resumed import Resumed, resumed
 from ddp_cli.train.running import RunningSums
 from ddp_cli.train.schedules import build_scheduler, resume_schedule
 
@@ -71,6 +72,14 @@ def count_steps(batches: int, cfg: TrainConfig) -> int:
         raise ConfigError("data.batch_size: larger than a rank's share of the train split; "
                           "lower batch_size or grad_accum")
     return steps
+
+
+def resume_position(epochs_done: int, samples_in_epoch: int, global_batch: int,
+                    steps_per_epoch: int) -> tuple[int, int]:
+    """(step in the epoch, step of the run) a resume at another global batch goes on from: the epoch's
+    positions consumed, in whole steps of the new batch, and the same fraction of the run in epochs."""
+    step_in_epoch = math.ceil(samples_in_epoch / global_batch)
+    return step_in_epoch, epochs_done * steps_per_epoch + step_in_epoch
 
 
 def place(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module:
@@ -131,18 +140,20 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, images_seen, train_seconds = self.cfg, 0, 0.0
         for epoch in range(self.state.epoch, cfg.train.epochs):
+            # images this epoch trains: a resumed one only those of the steps it has left
+            trained = (self.steps_per_epoch - self.state.step_in_epoch) * self.global_batch
             started = time.perf_counter()
             train_loss, bad, metrics = self.train_epoch(epoch)
             seconds = time.perf_counter() - started
             train_seconds += seconds
-            images_seen += self.steps_per_epoch * self.global_batch
+            images_seen += trained
             if epoch < self.ema_bn_epochs:
                 self.recalibrate_ema()
             evaluation, of_ema = self.validate(bad)
             bad = union_across_ranks(bad)  # distinct bad files met this epoch (train and val)
             end = EpochEnd(epoch=epoch + 1, train_loss=train_loss, val=evaluation.metrics,
                            ema_val=of_ema.metrics if of_ema else None, seconds=seconds,
-                           images_per_second=self.steps_per_epoch * self.global_batch / seconds,
+                           images_per_second=trained / seconds,
                            skipped=len(bad), io_retries=self.retries_since_last(),
                            lr=self.optimizer.param_groups[0]["lr"], image_size=cfg.data.train_size(epoch),
                            metrics=metrics)
@@ -338,9 +349,10 @@ class Trainer:
                               self.cfg.model.channels_last, bad, norm=normalising(self.cfg.data))
         return every[0], every[1] if self.ema else None
 
-    def resume(self, path: str | Path) -> None:
-        """Continue exactly where a checkpoint left off, mid-epoch included; at another world size,
-        follow the new global batch (`follow_world_size`)."""
+    def resume(self, path: str | Path) -> Resumed:
+        """Continue exactly where a checkpoint left off, mid-epoch included, on this run's schedule (a
+        run given more epochs recomputes it from the next step); at another world size, follow the new
+        global batch (`follow_world_size`). Returns what the resume changes, for its line."""
         saved = self.checkpointer.load(path)  # in the current format, whatever version wrote it
         self.objective.load_state_dict(self.state.state_dict())  # its fields of the run's progress
         if "config" in saved:
@@ -353,8 +365,11 @@ class Trainer:
         saved_world, saved_batch = len(saved["rng"]), self.state.global_batch
         if (saved_world, saved_batch) != (self.ctx.world_size, self.global_batch):
             self.follow_world_size(path, saved_world, saved_batch)
+        else:  # the loaded LR is the old schedule's: the next step takes this run's
+            resume_schedule(self.scheduler, 1.0, self.scheduler.last_epoch)
         self.state.global_batch = self.global_batch
         self.state.world_sizes.append(self.ctx.world_size)
+        return resumed(path, saved, self.cfg, self.optimizer.param_groups[0]["lr"], self.scheduler.last_epoch)
 
     def follow_trained(self, trained: RunConfig) -> None:
         """The run's config reconciled with the one its checkpoint trained with (`config.resolve.resume`),
@@ -385,8 +400,8 @@ class Trainer:
             raise ConfigError(f"resume: {change}, and checkpoint.on_world_size_change = \"refuse\"; run "
                               f"{saved_world} workers in all, or set it to \"rescale\"")
         ratio = self.lr / self.cfg.optim.effective_lr(saved_batch)
-        self.state.step_in_epoch = math.ceil(self.state.samples_in_epoch / self.global_batch)
-        position = self.state.epoch * self.steps_per_epoch + self.state.step_in_epoch
+        self.state.step_in_epoch, position = resume_position(self.state.epoch, self.state.samples_in_epoch,
+                                                             self.global_batch, self.steps_per_epoch)
         resume_schedule(self.scheduler, ratio, position)
         self.log("world_size", self.state.epoch, world_size=self.ctx.world_size, previous=saved_world,
                  global_batch=self.global_batch, lr=self.lr)

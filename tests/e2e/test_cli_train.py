@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tomllib
 
@@ -104,3 +105,29 @@ def test_external_torchrun_does_not_launch_twice(demo_registry, tmp_path):
     assert out["world_size"] == 2 and out["run_dir"] == str(run_dir.resolve())
     assert {"process_group", "index", "hand_off", "first_step"} <= out["startup_seconds"].keys()
     assert sum(line.startswith("{") for line in proc.stdout.splitlines()) == 1  # rank 0 alone prints
+
+
+
+def test_a_finished_run_trains_nothing_keeps_its_result_and_its_dry_run_names_the_resume(
+        trained, demo_registry, tmp_path):
+    """Re-run as it was, or given fewer epochs than it trained: exit 0, a line saying so, result.json
+    left byte for byte; `--dry-run` of an extension names the checkpoint, the changed keys and the LR
+    from the step it goes on at, not step 0."""
+    _, original, _ = trained
+    run_dir = tmp_path / "demo"
+    shutil.copytree(original, run_dir)
+    before = (run_dir / "result.json").read_bytes()
+    common = ["configs/demo.toml", "--registry", str(demo_registry), "--run-dir", str(run_dir), "--json",
+              *FAST[2:]]
+    for epochs in (2, 1):
+        again = run_ddp("train", *common, "--set", f"train.epochs={epochs}")
+        assert again.returncode == 0, again.stderr
+        assert "has trained 2 epochs" in again.stderr and "nothing to train" in again.stderr
+        assert (run_dir / "result.json").read_bytes() == before
+        assert last_json(again)["images_per_second"] == json.loads(before)["images_per_second"] > 0
+    plan = last_json(run_ddp("train", *common, "--set", "train.epochs=3", "--dry-run"))
+    resumes = plan["resumes"]
+    assert resumes["checkpoint"].endswith("step-000000012.pt") and resumes["step"] == 12
+    assert resumes["changes"]["train.epochs"] == [2, 3] and not resumes["finished"]
+    assert next(iter(plan["lr_schedule"])) == "step 12 (next, resumed)"
+    assert plan["lr_schedule"]["step 12 (next, resumed)"] == pytest.approx(resumes["lr_next_step"][1])

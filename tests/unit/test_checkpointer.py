@@ -1,5 +1,6 @@
 """The Checkpointer: parts registered once, progress field by field, saves in the background that
-never overlap, never hold a half-changed state and never outlive the process."""
+never overlap, never hold a half-changed state and never outlive the process; a stop agreed by the
+ranks ends a real Trainer's run only once the step it stops after is saved."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from replicas import CLASSES, make_config
 from torch import nn
 
+from ddp_cli.data.pipeline.loaders import Batch, Loaders
+from ddp_cli.data.pipeline.sampler import ShardSampler
+from ddp_cli.distributed.setup import DistContext, seed_everything
+from ddp_cli.distributed.signals import CODES, StopRequest
 from ddp_cli.errors import ConfigError, DataError, DdpError, WriteError
 from ddp_cli.io import writing
+from ddp_cli.models import build_model
 from ddp_cli.train import rng
 from ddp_cli.train.checkpoint import (
     Checkpointer,
@@ -26,6 +33,8 @@ from ddp_cli.train.checkpoint import (
     load_checkpoint,
     verify,
 )
+from ddp_cli.train.trainer import Trainer
+from tests.resolved import resolved
 
 
 def parts() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -343,3 +352,58 @@ def test_rank_rngs_gather_every_ranks_state_and_restore_their_own_at_the_same_wo
         assert torch.equal(torch.get_rng_state(), own)
     finally:
         rng.restore(saved)
+
+
+def stopped_run(tmp_path: Path, monkeypatch, after_step: int) -> tuple[pytest.ExceptionInfo, CheckpointStore]:
+    """A real Trainer fitting 2 epochs of 2 steps, every step's stop agreed (distributed.stop_check_steps
+    = 1), sent a real SIGTERM after `after_step` (`DDP_FAULTS`, caught by StopRequest's own handler);
+    the run's end and its checkpoints."""
+    class Val(list):
+        sampler = range(2)  # `evaluate_each` reads the items' positions off it
+
+    def batch(seed: int) -> Batch:
+        g = torch.Generator().manual_seed(seed)
+        return Batch(torch.randint(0, 256, (2, 16, 16, 3), dtype=torch.uint8, generator=g),
+                     torch.randint(0, CLASSES, (2,), generator=g), [""] * 2, [""] * 2)
+
+    monkeypatch.setenv("DDP_FAULTS", f"sigterm@{after_step}")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # no launcher: the rank signals itself
+    cfg = make_config({"data": {"batch_size": 2}, "train": {"epochs": 2}})
+    seed_everything(cfg.seed)
+    store = CheckpointStore(tmp_path, keep_last=5)
+    loaders = Loaders([batch(10), batch(11)], Val([batch(20)]),
+                      ShardSampler(4, 0, 1, shuffle=True, batch_size=2, with_epoch=True))
+    trainer = Trainer(resolved(cfg, 2), DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo"),
+                      build_model(cfg.model, CLASSES), loaders, 2,
+                      Checkpointer(store, stop=StopRequest(None), stop_every=1))
+    try:
+        with pytest.raises(DdpError) as stopped:
+            trainer.fit()
+    finally:
+        trainer.close()
+    return stopped, store
+
+
+@pytest.fixture
+def one_rank_with_signals():
+    """A one-process gloo group; the signal handlers a StopRequest installs put back afterwards."""
+    handlers = {sig: signal.getsignal(sig) for sig in CODES}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("after_step", [1, 3])  # in the first epoch (none saved before it), and the second
+def test_an_agreed_stop_saves_the_step_it_stops_after_before_the_run_ends(one_rank_with_signals, tmp_path,
+                                                                          monkeypatch, after_step):
+    stopped, store = stopped_run(tmp_path, monkeypatch, after_step)
+    assert stopped.value.exit_code == 143
+    assert f"stopped by SIGTERM after step {after_step}, checkpoint {store.path_for(after_step)};" in \
+        str(stopped.value)
+    assert verify(store.path_for(after_step)) is None and verify(tmp_path / "last.pt") is None
+    saved = load_checkpoint(tmp_path / "last.pt")
+    assert (saved["step"], saved["epoch"], saved["step_in_epoch"]) == (after_step, after_step // 2,
+                                                                       after_step % 2)
+    assert store.latest_valid() == store.path_for(after_step)

@@ -81,10 +81,14 @@ def train(config: Path, overrides: list[str], registry: str | None, run_dir: Pat
 
 
 def dry_run(config: Path, overrides: list[str], registry: str | None, flags: LaunchFlags,
-            resume: str) -> dict[str, Any]:
-    """`ddp train --dry-run`: the plan, after every check training makes before starting workers."""
+            resume: str, run_dir: Path | str | None = None) -> dict[str, Any]:
+    """`ddp train --dry-run`: the plan, after every check training makes before starting workers, and
+    the checkpoint of `run_dir` (or checkpoint.dir) it would resume from."""
+    resume = local_checkpoint(resume, "--resume") if resume.startswith("s3:/") else resume
     with indexed(config, overrides, registry) as (cfg, build):
-        return plan(cfg, build, flags.options(), resume)
+        configured = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        run_dir = run_dir or run_location(configured, "checkpoint.dir")
+        return plan(cfg, build, flags.options(), resume, run_dir)
 
 
 def prepare_run(run: Preflight, run_dir: Path | str | None, quiet: bool) -> Path:
@@ -222,12 +226,15 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str 
         return published(result, run_dir, Path(folder[0]))
 
 
-def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str) -> dict[str, Any]:
-    """--dry-run: the checks `train` makes before starting workers, the plan they computed, and the
+def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str,
+         run_dir: Path | str | None = None) -> dict[str, Any]:
+    """--dry-run: the checks `train` makes before starting workers, the plan they computed (going on
+    from the checkpoint a resume in `run_dir` would take; one in a bucket is not read), and the
     scheduler whose variables filled the launch (`schedulers`: which, and each variable read)."""
-    from ddp_cli.cli.plan import describe
+    from ddp_cli.cli.plan import describe, resume_plan
     from ddp_cli.preflight import launch_workers, preflight
     from ddp_cli.run.schedulers import recognise
 
-    return {**describe(preflight(cfg, build, launch_workers(cfg, opts), resume)),
-            **recognise(os.environ).as_dict()}
+    run = preflight(cfg, build, launch_workers(cfg, opts), resume)
+    folder = None if run_dir is None or bucket_of(run_dir) else Path(run_dir).resolve()
+    return {**describe(run, resume_plan(run, folder)), **recognise(os.environ).as_dict()}
