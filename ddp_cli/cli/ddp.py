@@ -143,7 +143,7 @@ def train(
                                  standalone, master_addr, master_port)
     run_dir = run_dirs.run_location(run_dir, "--run-dir")
     if dry_run:
-        plan = training.dry_run(config, set_ or [], registry, flags, resume)
+        plan = training.dry_run(config, set_ or [], registry, run_dir, flags, resume)
         emit(plan, as_json, lambda: render.print_mapping("plan", plan))
         return
     result = training.train(config, set_ or [], registry, run_dir, flags, resume, quiet or as_json)

@@ -56,6 +56,19 @@ def test_bad_value_names_the_key(config, demo_registry):
     assert "data.batch_size:" in one_error_line(result)
 
 
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry-run", "train"])
+def test_a_run_dir_under_a_file_is_exit_2_naming_run_dir_for_train_and_its_dry_run(tmp_path, demo_registry,
+                                                                                    dry_run):
+    """Preflight's check, met by both: `train` said "internal error (a bug)" and `--dry-run` passed."""
+    (tmp_path / "demo.toml").write_text("")
+    result = invoke("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                    str(tmp_path / "demo.toml" / "sub"), *dry_run)
+    assert result.exit_code == 2
+    assert one_error_line(result) == (f"error: --run-dir {tmp_path / 'demo.toml' / 'sub'}: "
+                                      f"{tmp_path / 'demo.toml'} is a file, not a folder; give a folder for "
+                                      "--run-dir (made if missing)")
+
+
 def test_unknown_dataset_lists_known_names(config, demo_registry):
     result = invoke("train", config('[data]\ndataset = "dmeo"\n'), "--registry", str(demo_registry),
                     "--dry-run")
