@@ -69,6 +69,19 @@ def test_a_run_dir_under_a_file_is_exit_2_naming_run_dir_for_train_and_its_dry_r
                                       "--run-dir (made if missing)")
 
 
+@pytest.mark.parametrize("setting", ["train.epochs=-1", "train.epochs=0", "train.epochs=1.5",
+                                     "schedule.warmup_epochs=-1", "data.min_image_size=64",
+                                     "train.max_steps_per_epoch=-1"])
+def test_a_bad_set_blames_the_key_the_user_set_not_one_derived_from_it(demo_registry, setting):
+    """`train.epochs=-1` once blamed `data.ramp_epochs`, derived from it: the user never set that."""
+    result = invoke("train", "configs/demo.toml", "--registry", str(demo_registry), "--set", setting,
+                    "--dry-run")
+    key = setting.split("=")[0]
+    assert result.exit_code == 2
+    assert one_error_line(result).startswith(f"error: configs/demo.toml: {key.split('.')[0]}")
+    assert key.split(".")[1] in one_error_line(result) and "ramp_epochs" not in result.output
+
+
 def test_unknown_dataset_lists_known_names(config, demo_registry):
     result = invoke("train", config('[data]\ndataset = "dmeo"\n'), "--registry", str(demo_registry),
                     "--dry-run")
