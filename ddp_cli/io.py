@@ -14,9 +14,9 @@ import hashlib
 import os
 import pickle
 import pwd
+import secrets
 import shutil
 import stat
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -26,6 +26,7 @@ from typing import IO, Any
 from ddp_cli.errors import DataError, WriteError
 
 CHECKPOINT_FORMAT = 1  # the marker a ddp checkpoint carries as its "format" key
+ZIP_MAGIC, PICKLE_MAGIC = b"PK\x03\x04", b"\x80"  # how torch.save's files begin (zip; legacy pickle)
 
 
 class HashingFile:
@@ -49,11 +50,12 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], needed: int | No
 
     A kill at any instant leaves either the old file or the new one, never half of one; a write the
     storage refuses removes its temp file and is a `WriteError` (`needed`: the bytes it would take,
-    where the caller knows them).
+    where the caller knows them). The file gets the mode `open` gives a new file (0666 less the
+    umask, and a folder's default ACL), so a team or a serving process can read what a run wrote.
     """
     with writing(path, needed):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = create_beside(path)
         try:
             with os.fdopen(fd, "wb") as f:
                 hashing = HashingFile(f)
@@ -67,6 +69,16 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], needed: int | No
             raise
         fsync_dir(path.parent)
     return hashing.digest.hexdigest(), hashing.size
+
+
+def create_beside(path: Path) -> tuple[int, Path]:
+    """A new hidden temp file beside `path`, open for writing: (fd, its path). Made as `open` makes a
+    file, not as `tempfile.mkstemp` does (always 0600, which no teammate can read)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    while True:  # 64 random bits: a name taken by another writer is all but impossible, but is retried
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        with suppress(FileExistsError):
+            return os.open(tmp, flags, 0o666), tmp
 
 
 def write_text(path: Path, text: str) -> None:
@@ -190,15 +202,28 @@ def load_plain(path: Path) -> Any:
     module in a process that must not import torch (`index_build.IndexBuild`)."""
     import torch
 
+    with open(path, "rb") as f:
+        head = f.read(len(ZIP_MAGIC))
+    if head and not head.startswith((ZIP_MAGIC, PICKLE_MAGIC)):  # a text file, an image: not torch's at all
+        raise DataError(f"{path}: not a checkpoint (a torch.save file begins with a zip or pickle "
+                        f"header, this one with {head!r}); give a file torch.save wrote (a ddp .pt)")
     try:
         with warnings.catch_warnings():  # an altered byte reads as an odd pickle protocol: the error says it
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise DataError(f"{path}: refused, it holds more than plain data (weights_only load): "
-                        f"{_first_line(e)}") from e
+                        f"{_unpickler_reason(e)}") from e
     except Exception as e:  # a cut-short or altered file trips torch's zip reader or unpickler anywhere
         raise DataError(f"{path}: unreadable or truncated checkpoint ({_first_line(e)})") from e
+
+
+def _unpickler_reason(e: Exception) -> str:
+    """What torch's weights-only unpickler refused ("Unsupported global: GLOBAL x.Y ..."), without the
+    advice around it: retrying with `weights_only=False` runs whatever code the file carries."""
+    _, found, reason = str(e).partition("WeightsUnpickler error:")
+    reason = next((line.strip() for line in reason.splitlines() if line.strip()), "")
+    return reason.split(" Please use")[0] if found and reason else "not plain data"
 
 
 def _first_line(e: Exception) -> str:

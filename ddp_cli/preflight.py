@@ -16,6 +16,7 @@ prints it, `commands.train` hands it to the workers, and nothing edits it after.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -39,8 +40,8 @@ from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.faults import VARIABLE as FAULTS
 from ddp_cli.distributed.faults import parse_faults
 from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
-from ddp_cli.errors import ConfigError
-from ddp_cli.io import existing_ancestor, size_words
+from ddp_cli.errors import ConfigError, WriteError
+from ddp_cli.io import REFUSALS, cause, existing_ancestor, size_words
 from ddp_cli.models.check import check_model
 from ddp_cli.models.families import takes_any_size
 from ddp_cli.models.timm_model import PRETRAINED, cached_weights, data_config, with_tag
@@ -68,6 +69,15 @@ class Workers:
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Where a run's files are written on this node: the run dir, or a bucket's staging folder (the
+    bucket itself is checked by its own code: `run.bucket`); `flag` is what chose it, for the fix."""
+
+    folder: Path
+    flag: str = "--run-dir"  # or checkpoint.dir
 
 
 @dataclass
@@ -125,12 +135,15 @@ def node_facts(cfg: RunConfig, workers: Workers) -> Facts:
 
 
 def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str = "never",
-              startup: StartupClock | None = None) -> Preflight:
-    """Every check of a training run, cheapest first: the first failure is a ConfigError (exit 2)
-    or a DataError (exit 3), the same line whichever command met it. `build` is the run's index
-    (begun before torch was imported where it could be); `startup` times the phases."""
+              startup: StartupClock | None = None, run_dir: RunDir | None = None) -> Preflight:
+    """Every check of a training run, cheapest first: the first failure is a ConfigError (exit 2),
+    a DataError (exit 3) or a WriteError (exit 6, the run dir), the same line whichever command met
+    it. `build` is the run's index (begun before torch was imported where it could be); `startup`
+    times the phases; `run_dir` is where the run will write (None: not checked)."""
     startup = startup or StartupClock()
     resume = checked_resume(resume)
+    if run_dir:
+        check_run_dir(run_dir)
     parse_faults(os.environ.get(FAULTS, ""))  # the workers read it: a bad one fails here, not in each
     check_optimizer(cfg.optim)
     check_sync_batchnorm(cfg.model, workers.device)
@@ -143,6 +156,8 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     facts = replace(facts, steps_per_epoch=count_steps(batches, cfg.train))
     planned = resolve(cfg, facts)  # all but the loader processes: the sizes the model must take
     model = check_model(planned, len(index.classes))
+    if run_dir:
+        check_disk_room(planned, model, run_dir)
     startup.mark("model_check")
     measured = measure_node_loaders(planned, workers, entry, index, model, "train") \
         if "data.workers" in autos(cfg) else None
@@ -165,20 +180,43 @@ def checkpoint_bytes(cfg: RunConfig, model: nn.Module) -> int:
     return state * (1 + bool(cfg.train.ema_decay)) + params * state_copies(cfg.optim)
 
 
-def warn_if_disk_short(run: Preflight, folder: Path) -> None:
-    """One line where the run dir's disk has less room than the checkpoints will take: `keep_last` of
-    them and the one being written, less those already there (a resume replaces them). A full disk
-    at a checkpoint ends the run (exit 6); said now, it can be fixed before hours are spent."""
-    each = checkpoint_bytes(run.cfg, run.model)
-    count = run.cfg.checkpoint.keep_last + 1
+def check_run_dir(run_dir: RunDir) -> None:
+    """The run dir is a folder or can be made one (no file on its path), and this user can write in
+    it: met here, not by the first worker's write seconds later (and the same for `--dry-run`)."""
+    folder = next((p for p in (run_dir.folder, *run_dir.folder.parents) if p.exists()), None)  # as given
+    if folder is None:
+        return
+    named = f"{run_dir.flag} {run_dir.folder}"
+    if not folder.is_dir():
+        raise ConfigError(f"{named}: {folder} is a file, not a folder; give a folder for {run_dir.flag} "
+                          "(made if missing)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        code = errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY else errno.EACCES
+        words = cause(code, str(folder), OSError(code, REFUSALS[code], str(folder)), None)
+        raise WriteError(f"{named}: cannot write in {folder}: {words}; give a {run_dir.flag} you can write")
+
+
+def check_disk_room(cfg: RunConfig, model: nn.Module, run_dir: RunDir) -> None:
+    """Room on the run dir's disk: less than one checkpoint ends the run at its first save, so it is
+    refused now (exit 6); less than `keep_last` of them and the one being written (less those
+    already there: a resume replaces them) is one warning line, so it can be fixed before hours are
+    spent."""
+    each = checkpoint_bytes(cfg, model)
+    count = cfg.checkpoint.keep_last + 1
+    folder = run_dir.folder
     there = sum(p.stat().st_size for p in (folder / "checkpoints").glob("step-*.pt"))
     disk = existing_ancestor(folder)
     free = shutil.disk_usage(disk).free if disk else None
-    if free is not None and free < count * each - there:
-        log.warning(f"warning: {folder}: {size_words(free)} free on its disk, but the run's checkpoints take "
-                    f"about {size_words(count * each)} ({count} of {size_words(each)}: checkpoint.keep_last "
-                    "+ 1); a full disk stops the run at a checkpoint (exit 6): make room, choose another "
-                    "--run-dir or lower checkpoint.keep_last")
+    if free is None or free >= count * each - there:
+        return
+    short = f"{folder}: {size_words(free)} free on its disk, but"
+    if free < each:  # a save writes its whole file before any old one goes
+        raise WriteError(f"{run_dir.flag} {short} one checkpoint of the run takes about {size_words(each)}: "
+                         f"make room or give another {run_dir.flag}")
+    log.warning(f"warning: {short} the run's checkpoints take about {size_words(count * each)} ({count} "
+                f"of {size_words(each)}: checkpoint.keep_last + 1); a full disk stops the run at a "
+                f"checkpoint (exit 6): make room, choose another {run_dir.flag} or lower "
+                "checkpoint.keep_last")
 
 
 def validation_workers(cfg: RunConfig, num_classes: int, opts: LaunchOptions) -> tuple[Workers, nn.Module]:

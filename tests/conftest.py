@@ -59,6 +59,19 @@ def ddp_in_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["ddp", *args], result.exit_code, result.stdout, result.stderr)
 
 
+def every_command(group=None, path: tuple[str, ...] = ()):
+    """(path, click command) for the root, every group and every command under them."""
+    if group is None:
+        import typer
+
+        from ddp_cli.cli import app
+
+        group = typer.main.get_command(app)
+    yield path, group
+    for name, command in getattr(group, "commands", {}).items():
+        yield from every_command(command, (*path, name))
+
+
 def last_json(result: subprocess.CompletedProcess):
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

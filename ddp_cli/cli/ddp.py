@@ -38,7 +38,7 @@ from ddp_cli.cli.clikit import (
 )
 from ddp_cli.cli.config import config_app
 from ddp_cli.cli.datasets import datasets_app
-from ddp_cli.cli.exits import emit, report_error
+from ddp_cli.cli.exits import SIGPIPE, emit, report_error, stdout_is_devnull
 from ddp_cli.cli.sweep import sweep_app
 from ddp_cli.errors import SIGINT, USAGE, ConfigError, DataError
 from ddp_cli.fastexit import run_and_exit
@@ -143,7 +143,7 @@ def train(
                                  standalone, master_addr, master_port)
     run_dir = run_dirs.run_location(run_dir, "--run-dir")
     if dry_run:
-        plan = training.dry_run(config, set_ or [], registry, flags, resume, run_dir)
+        plan = training.dry_run(config, set_ or [], registry, run_dir, flags, resume)
         emit(plan, as_json, lambda: render.print_mapping("plan", plan))
         return
     result = training.train(config, set_ or [], registry, run_dir, flags, resume, quiet or as_json)
@@ -335,26 +335,56 @@ def entry_point() -> None:
 
 
 def main() -> None:
-    """Run the CLI; a usage mistake (bad flag or value) is one line and exit 2, like any other."""
+    """Run the CLI; a usage mistake (bad flag or value) is one line and exit 2, like any other. Output
+    whose reader left early (`ddp train --help | head -1`) is no error: help exits 0, a command's
+    output SIGPIPE's 141 (as `exits.emit` has it). Rich, which draws help and tables, answers a
+    closed stdout by pointing it at /dev/null and exiting 1: that is how it is told from a failure."""
+    quiet_already = stdout_is_devnull()
     try:
-        code = app(standalone_mode=False)
+        code = run_app()
+    except SystemExit as e:
+        if e.code != 1 or quiet_already or not stdout_is_devnull():
+            raise
+        code = 0 if shows_help(sys.argv[1:]) else SIGPIPE
+    sys.exit(code or 0)
+
+
+def run_app() -> int:
+    """The app's exit code, with Typer's usage errors and interrupts as ddp reports them."""
+    try:
+        return app(standalone_mode=False) or 0
     except NoArgsIsHelpError as e:
         text = e.ctx.get_help()  # typer's rich help prints itself and returns ""
         if text:
             print(text)
-        code = 0
+        return 0
     except UsageError as e:
         command = e.ctx.command_path if e.ctx else "ddp"
         report_error(f"{e.format_message()} (see `{command} --help`)", USAGE, asks_for_json(sys.argv[1:]))
-        code = USAGE
+        return USAGE
     except (typer.Abort, KeyboardInterrupt):
-        code = SIGINT
-    sys.exit(code or 0)
+        return SIGINT
+
+
+def own_args(args: list[str]) -> list[str]:
+    """The arguments before a `--` (those after it are passed on, never ddp's own)."""
+    return args[:args.index("--")] if "--" in args else args
 
 
 def asks_for_json(args: list[str]) -> bool:
     """Whether a command line that failed to parse asked for JSON output (`exits` knows it from
     the parsed arguments; a usage error comes before them)."""
-    args = args[:args.index("--")] if "--" in args else args
+    args = own_args(args)
     pairs = zip(args, [*args[1:], ""], strict=True)
     return "--json" in args or "--format=json" in args or ("--format", "json") in pairs
+
+
+def shows_help(args: list[str]) -> bool:
+    """Whether the command line shows help: `--help`, or a group without a command (`ddp datasets`)."""
+    args = own_args(args)
+    command = typer.main.get_command(app)
+    for arg in args:
+        command = getattr(command, "commands", {}).get(arg)
+        if command is None:
+            break
+    return "--help" in args or hasattr(command, "commands")

@@ -101,6 +101,14 @@ def emit(result: Any, as_json: bool, human: Callable[[], None]) -> None:
             human()
 
 
+def stdout_is_devnull() -> bool:
+    """Whether stdout is /dev/null (where rich points it when its reader has left)."""
+    try:
+        return os.path.samestat(os.fstat(sys.stdout.fileno()), os.stat(os.devnull))
+    except (OSError, ValueError):  # a stream with no file descriptor (a test's capture)
+        return False
+
+
 @contextmanager
 def stdout_may_close() -> Iterator[None]:
     """A reader that leaves early (`ddp config schema | head`) has all it wanted: exit quietly."""

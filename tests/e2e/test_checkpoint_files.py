@@ -8,6 +8,8 @@ never beats it, so best.pt must be an early epoch, not the last; its EMA peaks e
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 from conftest import last_json, run_ddp
@@ -53,3 +55,20 @@ def train(registry, run_dir, *more: str) -> tuple[dict, list[dict], list[dict]]:
     vals = [r for r in records if r["split"] == "val"]
     assert [r["epoch"] for r in vals] == [1, 2, 3, 4]
     return out, vals, [r for r in records if r["split"] == "val_ema"]
+
+
+def test_a_runs_files_have_the_mode_the_umask_gives(demo_registry, tmp_path):
+    """Under umask 0027 every file of the run dir (config.toml, result.json, the checkpoints and their
+    manifests, the metrics) is 0640: the group (a team, a serving process) reads them, others do not."""
+    old = os.umask(0o027)  # the run inherits it
+    try:
+        result = run_ddp("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                         str(tmp_path / "run"), "--json", "--set", "train.epochs=1",
+                         "--set", "train.max_steps_per_epoch=2", "--set", "data.workers=0")
+    finally:
+        os.umask(old)
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert {"config.toml", "result.json", "last.pt", "best.pt"} <= {p.name for p in files}
+    modes = {str(p.relative_to(tmp_path)): f"{stat.S_IMODE(p.stat().st_mode):04o}" for p in files}
+    assert set(modes.values()) == {"0640"}, modes

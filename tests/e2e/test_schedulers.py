@@ -3,7 +3,8 @@ loopback, each with the environment the scheduler gives it (the operator's PET_*
 torchrun's), the example's own command, and a shared folder standing for the volume every pod mounts.
 
 The commands run as written but for three things: `ddp` is this checkout's, the run dir's mount point
-is a temporary folder, and the demo is cut short (8 px, a few steps) for the test's time.
+is a temporary folder, and the demo is cut short (8 px, a few steps) for the test's time (a GPU
+example's config is pointed at the demo's data, a tiny model and gloo).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ EXAMPLES = REPO / "examples"
 SHORT = ["--set", "data.image_size=8", "--set", "data.val_resize=8", "--set", "data.workers=0",
          "--set", "train.epochs=1", "--set", "train.max_steps_per_epoch=4", "--set", "logging.every_steps=1",
          "--set", "distributed.rdzv_timeout_s=60"]
+# a GPU example's run on the CPU demo: the --sets after its own win
+ON_THE_DEMO = ["--set", "data.dataset=demo", "--set", "model.name=resnet_tiny",
+               "--set", "distributed.backend=gloo"]
 # the elastic job: the demo to the end (4 epochs, 22 steps each at world size 2, 0.95 top-1 at 8 px),
 # a pod lost in epoch 3, both pods in the first world (rdzv_last_call_s), the lost peer noticed within
 # 8 s (timeout_s), step checkpoints to go on from
@@ -202,7 +206,8 @@ def test_a_trainjob_starts_ddp_under_torchrun_and_ddp_trains_as_its_workers(
 def test_the_torchx_line_and_the_sbatch_script_launch_two_nodes(pods, demo_registry, ddp_on_path, tmp_path):
     """TorchX's dist.ddp: torchrun with a c10d rendezvous on node 0's host, whichever agent binds it
     first hosting it (one process per node here, on 2 cores, for the line's 8 GPUs); the sbatch
-    script: `srun` starts its command once per node."""
+    script: `srun` starts its command once per node (its ResNet-50 on ImageNet over NCCL made the
+    demo's data, a tiny model and gloo by later --sets, for a machine without GPUs)."""
     line = (EXAMPLES / "torchx/run.sh").read_text().split("torchx run", 1)[1]
     words = shlex.split(line.replace("\\\n", ""))
     nnodes = int(words[words.index("-j") + 1].split("x")[0])
@@ -213,17 +218,19 @@ def test_the_torchx_line_and_the_sbatch_script_launch_two_nodes(pods, demo_regis
                "--tee", "3", "--role", "", "-m", module]  # dist.ddp's torchrun flags (no node rank)
         pods.start([*torchrun(nnodes, 1, *how), *mounted(args, tmp_path), "--registry", str(demo_registry),
                     "--json", *SHORT], {**CLEAN, **ddp_on_path, "OMP_NUM_THREADS": "1"})
-    script = (EXAMPLES / "slurm/train.sbatch").read_text()
+    script = (EXAMPLES / "slurm/train.sbatch").read_text().replace("\\\n", "")
     nodes = int(next(s.split("=")[1] for s in script.splitlines() if s.startswith("#SBATCH --nodes")))
     command = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "#SBATCH --gpus-per-node=8" in script and "distributed.backend=nccl" in command  # a GPU job
     slurm_port = str(free_port())
     for node in range(nodes):  # what srun gives each node's task
         env = {**CLEAN, **ddp_on_path, "SLURM_JOB_ID": "77", "SLURM_NNODES": str(nodes),
                "SLURM_NODEID": str(node), "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": slurm_port,
                "OMP_NUM_THREADS": "1"}
-        line = command.removeprefix("srun ").replace('"runs/demo-$SLURM_JOB_ID"', str(tmp_path / "slurm-run"))
+        line = command.removeprefix("srun ").replace('"runs/resnet50-$SLURM_JOB_ID"',
+                                                     str(tmp_path / "slurm-run"))
         pods.start([*shlex.split(line), "--registry", str(demo_registry), "--nproc-per-node", "1", "--json",
-                    *SHORT], env)
+                    *SHORT, *ON_THE_DEMO], env)
     finished = pods.finish()
     assert [code for code, _, _ in finished] == [0] * (nnodes + nodes), \
         "\n".join(err[-2500:] for _, _, err in finished)

@@ -56,6 +56,32 @@ def test_bad_value_names_the_key(config, demo_registry):
     assert "data.batch_size:" in one_error_line(result)
 
 
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry-run", "train"])
+def test_a_run_dir_under_a_file_is_exit_2_naming_run_dir_for_train_and_its_dry_run(tmp_path, demo_registry,
+                                                                                    dry_run):
+    """Preflight's check, met by both: `train` said "internal error (a bug)" and `--dry-run` passed."""
+    (tmp_path / "demo.toml").write_text("")
+    result = invoke("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                    str(tmp_path / "demo.toml" / "sub"), *dry_run)
+    assert result.exit_code == 2
+    assert one_error_line(result) == (f"error: --run-dir {tmp_path / 'demo.toml' / 'sub'}: "
+                                      f"{tmp_path / 'demo.toml'} is a file, not a folder; give a folder for "
+                                      "--run-dir (made if missing)")
+
+
+@pytest.mark.parametrize("setting", ["train.epochs=-1", "train.epochs=0", "train.epochs=1.5",
+                                     "schedule.warmup_epochs=-1", "data.min_image_size=64",
+                                     "train.max_steps_per_epoch=-1"])
+def test_a_bad_set_blames_the_key_the_user_set_not_one_derived_from_it(demo_registry, setting):
+    """`train.epochs=-1` once blamed `data.ramp_epochs`, derived from it: the user never set that."""
+    result = invoke("train", "configs/demo.toml", "--registry", str(demo_registry), "--set", setting,
+                    "--dry-run")
+    key = setting.split("=")[0]
+    assert result.exit_code == 2
+    assert one_error_line(result).startswith(f"error: configs/demo.toml: {key.split('.')[0]}")
+    assert key.split(".")[1] in one_error_line(result) and "ramp_epochs" not in result.output
+
+
 def test_unknown_dataset_lists_known_names(config, demo_registry):
     result = invoke("train", config('[data]\ndataset = "dmeo"\n'), "--registry", str(demo_registry),
                     "--dry-run")
@@ -99,7 +125,8 @@ def test_validate_missing_and_garbage_checkpoints(tmp_path):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     result = invoke("validate", "--checkpoint", str(garbage))
-    assert result.exit_code == 3 and "garbage.pt" in one_error_line(result)
+    assert result.exit_code == 3 and f"{garbage}: not a checkpoint (" in one_error_line(result)
+    assert "weights_only" not in result.output  # torch's advice to load it unsafely is not repeated
 
 
 REGISTRY_HEAD = 'data_config_version = 1\n'

@@ -9,23 +9,13 @@ from __future__ import annotations
 import re
 
 import pytest
-import typer
+from conftest import every_command
 from typer.testing import CliRunner
 
 from ddp_cli.cli import app
 from ddp_cli.cli.clikit import TORCHRUN_SPELLINGS, dashed
 
-ROOT = typer.main.get_command(app)
 TYPER_METAVARS = re.compile(r"<(?:list\[|int|float|bool|str|path|text)[^>]*>|\{[a-z_]+\}")
-
-
-def every_command(group=ROOT, path=()):
-    """(path, click command) for the root, every group and every command under them."""
-    yield path, group
-    for name, command in getattr(group, "commands", {}).items():
-        yield from every_command(command, (*path, name))
-
-
 COMMANDS = dict(every_command())
 
 

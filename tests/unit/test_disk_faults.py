@@ -320,22 +320,31 @@ def test_the_preflight_estimate_of_a_checkpoint_is_its_size_on_disk(tmp_path, se
     assert abs(checkpoint_bytes(cfg, model.to("meta")) - size) < 0.1 * size + 16_000
 
 
-def test_preflight_warns_when_the_run_dirs_disk_has_less_room_than_the_checkpoints(tmp_path, monkeypatch,
-                                                                                    caplog):
+def test_preflight_warns_when_the_run_dirs_disk_has_less_room_than_the_checkpoints_and_refuses_under_one(
+        tmp_path, monkeypatch, caplog):
+    """Less room than keep_last + 1 checkpoints: a warning; less than one: the first save would fail,
+    so the run is refused now (exit 6) naming the flag that chose the run dir."""
     from ddp_cli import preflight
     from ddp_cli.config import RunConfig
 
-    run = SimpleNamespace(cfg=RunConfig().resolved({"checkpoint.keep_last": 3, "train.ema_decay": 0}),
-                          model=nn.Linear(1000, 250, device="meta"))  # 1 MB of weights, 1 MB momentum
-    for free, warned in ((7_900_000, True), (8_100_000, False)):  # 4 checkpoints of 2.0 MB
+    cfg = RunConfig().resolved({"checkpoint.keep_last": 3, "train.ema_decay": 0})
+    model = nn.Linear(1000, 250, device="meta")  # 1 MB of weights, 1 MB momentum
+    run_dir = preflight.RunDir(tmp_path / "run", "checkpoint.dir")
+    for free, warned in ((7_900_000, True), (8_100_000, False), (2_100_000, True)):  # 4 checkpoints of 2.0 MB
         monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path, n=free: SimpleNamespace(free=n))
         caplog.clear()
-        preflight.warn_if_disk_short(run, tmp_path / "run")
+        preflight.check_disk_room(cfg, model, run_dir)
         assert bool(caplog.records) == warned, free
+    assert (f"warning: {tmp_path / 'run'}: 2.1 MB free on its disk, but the run's checkpoints take about "
+            "8.0 MB (4 of 2.0 MB: checkpoint.keep_last + 1); a full disk stops the run at a checkpoint "
+            "(exit 6): make room, choose another checkpoint.dir or lower checkpoint.keep_last") in caplog.text
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: SimpleNamespace(free=1_000_000))
-    preflight.warn_if_disk_short(run, tmp_path / "run")
-    assert (f"warning: {tmp_path / 'run'}: 1.0 MB free on its disk, but the run's checkpoints take about "
-            "8.0 MB (4 of 2.0 MB: checkpoint.keep_last + 1)") in caplog.text
+    with pytest.raises(WriteError) as refused_run:
+        preflight.check_disk_room(cfg, model, run_dir)
+    assert str(refused_run.value) == (f"checkpoint.dir {tmp_path / 'run'}: 1.0 MB free on its disk, but one "
+                                      "checkpoint of the run takes about 2.0 MB: make room or give another "
+                                      "checkpoint.dir")
+    assert refused_run.value.exit_code == 6
 
 
 @faults

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -9,6 +10,8 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from torchvision.transforms import CenterCrop, RandomResizedCrop, Resize
 
@@ -310,3 +313,38 @@ def test_the_export_cards_pil_recipe_decodes_at_validations_scale(width, height,
     image.draft("RGB", (image.width // k, image.height // k))
     theirs = torch.from_numpy(np.asarray(image.convert("RGB")).copy())
     assert theirs.shape == ours.shape and (theirs.int() - ours.int()).abs().max() <= 1
+
+
+DCT_SCALES = (8, 4, 2, 1)  # libjpeg's 1/k: what either decoder may hand back
+
+
+@pytest.mark.parametrize("decoder", ["libjpeg-turbo", "pil-draft"])
+@settings(max_examples=150, derandomize=True, database=None, deadline=None)
+@given(width=st.integers(1, 300), height=st.integers(1, 300), asked_width=st.integers(0, 320),
+       asked_height=st.integers(0, 320))
+@example(width=100, height=100, asked_width=26, asked_height=26).via("one pixel short at 1/4: 25 x 25")
+@example(width=300, height=100, asked_width=20, asked_height=26).via("the short side one pixel short")
+@example(width=64, height=48, asked_width=8, asked_height=6).via("exactly 1/8")
+@example(width=64, height=48, asked_width=9, asked_height=6).via("one pixel over 1/8 on one side")
+@example(width=7, height=300, asked_width=1, asked_height=300).via("asked all of the long side")
+@example(width=200, height=150, asked_width=400, asked_height=10).via("asked more than there is")
+def test_the_decode_is_the_coarsest_dct_scale_never_smaller_than_asked(decoder, width, height, asked_width,
+                                                                       asked_height):
+    """Either decoder (simplejpeg's libjpeg-turbo, or PIL's draft for the JPEGs it takes) hands back
+    the image at the coarsest 1/k that is still at least the size asked on both sides (the whole
+    image where it is smaller than that): a decode one step too coarse would be upsampled to the crop
+    without a word."""
+    img = open_image(encode(Image.new("RGB", (width, height), (200, 30, 90)), "JPEG", quality=75))
+    assert img.fast
+    if decoder == "pil-draft":
+        img = dataclasses.replace(img, fast=False)
+    pixels, scale = decode(img, asked_width, asked_height)
+    got_height, got_width = pixels.shape[:2]
+    assert got_width >= min(asked_width, width) and got_height >= min(asked_height, height)
+    assert scale == got_width / width
+    k = max(k for k in DCT_SCALES if (math.ceil(width / k), math.ceil(height / k)) == (got_width, got_height))
+    coarser = 2 * k
+    if decoder == "pil-draft" and min(width, height) < coarser:
+        return  # PIL's draft cannot take 1/k of a side under k px (it divides by side // k): larger, not less
+    assert k == 8 or math.ceil(width / coarser) < asked_width or math.ceil(height / coarser) < asked_height, \
+        f"1/{coarser} ({math.ceil(width / coarser)} x {math.ceil(height / coarser)}) was large enough"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 
 import pytest
 import torch
@@ -59,11 +60,26 @@ class Executes:  # any class: weights_only refuses to build it
     pass
 
 
-def test_load_plain_refuses_objects_and_names_the_file(tmp_path):
+def test_load_plain_refuses_objects_and_names_the_file_without_torchs_unsafe_advice(tmp_path):
+    """torch's message says a retry with weights_only=False "will likely succeed": that runs the file's
+    code. The error says what was refused and nothing more."""
     torch.save({"x": Executes()}, tmp_path / "evil.pt")
-    refused = r"evil\.pt: refused, it holds more than plain data \(weights_only load\): Weights only load"
-    with pytest.raises(DataError, match=refused):
+    refused = (r"evil\.pt: refused, it holds more than plain data \(weights_only load\): "
+               r"Unsupported global: GLOBAL .*Executes was not an allowed global by default\.$")
+    with pytest.raises(DataError, match=refused) as error:
         io.load_plain(tmp_path / "evil.pt")
+    assert "weights_only` set to `False" not in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("content", [b"[data]\nname = 'demo'\n", b"\xff\xd8\xff\xe0 a JPEG"],
+                         ids=["toml", "jpeg"])
+def test_a_file_that_is_no_torch_file_is_named_not_a_checkpoint(tmp_path, content):
+    """`ddp validate --checkpoint demo.toml`: torch reads it as a pickle with objects and advises
+    weights_only=False; it is not a checkpoint at all."""
+    (tmp_path / "demo.toml").write_bytes(content)
+    with pytest.raises(DataError, match=r"^\S+demo\.toml: not a checkpoint \(a torch\.save file begins "
+                                        r"with a zip or pickle header, this one with b'.{1,16}'\); give"):
+        io.load_plain(tmp_path / "demo.toml")
 
 
 @pytest.mark.parametrize(("content", "reason"),
@@ -89,6 +105,28 @@ def test_a_truncated_checkpoint_is_a_data_error(tmp_path):
                                                  ({}, False), ([("format", 1)], False)])
 def test_is_checkpoint_needs_a_dict_with_the_format_marker(state, expected):
     assert io.is_checkpoint(state) is expected
+
+
+@pytest.fixture(params=[0o022, 0o027, 0o077], ids=["umask022", "umask027", "umask077"])
+def umask(request):
+    """The process umask set for one test and restored after it."""
+    old = os.umask(request.param)
+    yield request.param
+    os.umask(old)
+
+
+@pytest.mark.parametrize("writer", [
+    lambda path: io.atomic_write(path, lambda f: f.write(b"x")),
+    lambda path: io.write_text(path, "x"),
+    lambda path: io.atomic_write(path, lambda f: torch.save({"w": torch.ones(2)}, f)),
+], ids=["atomic_write", "write_text", "torch.save"])
+def test_a_written_file_has_the_mode_the_umask_gives_new_files(tmp_path, umask, writer):
+    """0644 under 0022, 0640 under 0027: a teammate or a serving process can read what a run wrote
+    (mkstemp's 0600 shut them out); a replaced file gets it too, and 0077 still keeps a file private."""
+    for _ in range(2):  # created, then replaced
+        writer(tmp_path / "f")
+        assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o666 & ~umask
+    assert os.listdir(tmp_path) == ["f"]
 
 
 def test_the_temp_file_is_hidden_beside_the_target(tmp_path):

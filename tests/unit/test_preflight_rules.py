@@ -16,7 +16,8 @@ from ddp_cli import preflight
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.data.pipeline.autotune import LoaderChoice
 from ddp_cli.distributed.setup import DistContext
-from ddp_cli.errors import ConfigError
+from ddp_cli.errors import ConfigError, WriteError
+from ddp_cli.io import owner
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.run.launch import LaunchOptions
 from ddp_cli.train.precision import native_precision
@@ -155,6 +156,43 @@ def test_preflight_without_a_clock_and_its_first_refusals(loader_rule, tmp_path)
         preflight.preflight(synced, build, CPU_WORKERS)
     gpu_workers = preflight.Workers(nproc=2, nnodes=3, backend="nccl", device="cuda", native_precision="fp32")
     assert preflight.preflight(synced, build, gpu_workers).cfg.model.sync_batchnorm
+
+
+def test_a_run_dir_under_a_file_is_a_config_error_naming_the_flag(tmp_path):
+    (tmp_path / "demo.toml").write_text("")
+    for given in (tmp_path / "demo.toml" / "sub", tmp_path / "demo.toml"):
+        with pytest.raises(ConfigError) as refused:
+            preflight.check_run_dir(preflight.RunDir(given))
+        assert str(refused.value) == (f"--run-dir {given}: {tmp_path / 'demo.toml'} is a file, not a folder; "
+                                      "give a folder for --run-dir (made if missing)")
+    preflight.check_run_dir(preflight.RunDir(tmp_path / "new" / "run"))  # made when the run starts
+
+
+@pytest.mark.parametrize("read_only", [False, True], ids=["no-permission", "read-only-fs"])
+def test_a_run_dir_nobody_can_write_in_is_exit_6_naming_the_flag(tmp_path, monkeypatch, read_only):
+    """Before anything is measured, not by the first worker's write. (Root may write anywhere: the
+    access check stands in for the user the test cannot be.)"""
+    folder = tmp_path / "runs"
+    folder.mkdir(mode=0o555)
+    real = os.access
+    monkeypatch.setattr(preflight.os, "access", lambda path, mode: path != folder and real(path, mode))
+    flags = os.ST_RDONLY if read_only else 0
+    monkeypatch.setattr(preflight.os, "statvfs", lambda path: SimpleNamespace(f_flag=flags))
+    with pytest.raises(WriteError) as refused:
+        preflight.check_run_dir(preflight.RunDir(folder / "demo", "checkpoint.dir"))
+    who = owner(folder.stat().st_uid)
+    words = "read-only file system" if read_only else f"permission denied ({folder}: owner {who}, mode 0555)"
+    assert str(refused.value) == (f"checkpoint.dir {folder / 'demo'}: cannot write in {folder}: {words}; "
+                                  "give a checkpoint.dir you can write")
+    assert refused.value.exit_code == 6
+
+
+def test_preflight_checks_the_run_dir_before_the_index(tmp_path):
+    """The cheap check first: a run dir under a file is refused before the index is waited for."""
+    (tmp_path / "f").write_text("")
+    never = SimpleNamespace(result=lambda: pytest.fail("the index was waited for"))
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        preflight.preflight(RunConfig(), never, CPU_WORKERS, run_dir=preflight.RunDir(tmp_path / "f" / "x"))
 
 
 def test_validate_meets_its_launchs_workers_and_a_model_for_the_checkpoints_classes(monkeypatch):

@@ -204,9 +204,12 @@ def test_a_node_other_than_rank_0s_uploads_its_ranks_logs_only(run_url, tmp_path
 
 
 @pytest.mark.parametrize(("flag", "configured", "expected"), [
-    (None, "s3://b/runs/x", "s3://b/runs/x"), (None, "elsewhere/x", Path("elsewhere/x")),
-    (Path("mine"), "s3://b/runs/x", Path("mine")), (None, None, None), (None, "gs://b/r", ConfigError)])
+    (None, "s3://b/runs/x", ("s3://b/runs/x", "checkpoint.dir")),
+    (None, "elsewhere/x", (Path("elsewhere/x"), "checkpoint.dir")),
+    (Path("mine"), "s3://b/runs/x", (Path("mine"), "--run-dir")), (None, None, "runs/demo-"),
+    (None, "gs://b/r", ConfigError)])
 def test_checkpoint_dir_is_the_run_dir_where_no_flag_gives_one(flag, configured, expected, monkeypatch):
+    """And what chose it, for an error about it to name; with neither, runs/<name>-<time>."""
     from contextlib import contextmanager
 
     from ddp_cli.cli.commands import training
@@ -218,13 +221,17 @@ def test_checkpoint_dir_is_the_run_dir_where_no_flag_gives_one(flag, configured,
 
     seen = []
     monkeypatch.setattr(training, "indexed", indexed)
-    monkeypatch.setattr(training, "launch_training", lambda cfg, build, run_dir, *rest: seen.append(run_dir))
+    monkeypatch.setattr(training, "launch_training",
+                        lambda cfg, build, run_dir, flag, *rest: seen.append((run_dir, flag)))
     sets = [f"checkpoint.dir={configured}"] if configured else []
     train = lambda: training.train(REPO / "configs/demo.toml", sets, None, flag,  # noqa: E731
                                    training.LaunchFlags(), "auto", True)
     if expected is ConfigError:
         with pytest.raises(ConfigError, match="checkpoint.dir gs://b/r: ddp writes runs to a folder or"):
             train()
+    elif isinstance(expected, str):
+        train()
+        assert str(seen[0][0]).startswith(expected) and seen[0][1] == "--run-dir"
     else:
         train()
         assert seen == [expected]

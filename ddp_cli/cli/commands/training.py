@@ -25,7 +25,7 @@ from ddp_cli.run.bucket import RunBucket, staging_folder
 from ddp_cli.run.jobs import Job, prepare_job, read_result
 
 if TYPE_CHECKING:
-    from ddp_cli.preflight import Preflight
+    from ddp_cli.preflight import Preflight, RunDir
     from ddp_cli.run.launch import LaunchOptions
 
 log = logging.getLogger("ddp")
@@ -75,35 +75,47 @@ def train(config: Path, overrides: list[str], registry: str | None, run_dir: Pat
     """`ddp train`: the result of the run (empty on the ranks but 0 of an external torchrun)."""
     resume = local_checkpoint(resume, "--resume") if resume.startswith("s3:/") else resume
     with indexed(config, overrides, registry) as (cfg, build):
-        configured = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
-        run_dir = run_dir or run_location(configured, "checkpoint.dir")
-        return launch_training(cfg, build, run_dir, flags.options(), resume, quiet)
+        run_dir, flag = chosen_run_dir(cfg, run_dir)
+        return launch_training(cfg, build, run_dir, flag, flags.options(), resume, quiet)
 
 
-def dry_run(config: Path, overrides: list[str], registry: str | None, flags: LaunchFlags,
-            resume: str, run_dir: Path | str | None = None) -> dict[str, Any]:
-    """`ddp train --dry-run`: the plan, after every check training makes before starting workers, and
-    the checkpoint of `run_dir` (or checkpoint.dir) it would resume from."""
+def dry_run(config: Path, overrides: list[str], registry: str | None, run_dir: Path | str | None,
+            flags: LaunchFlags, resume: str) -> dict[str, Any]:
+    """`ddp train --dry-run`: the plan, after every check training makes before starting workers (the
+    run dir's among them), going on from the checkpoint a resume in that run dir would take."""
     resume = local_checkpoint(resume, "--resume") if resume.startswith("s3:/") else resume
     with indexed(config, overrides, registry) as (cfg, build):
-        configured = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
-        run_dir = run_dir or run_location(configured, "checkpoint.dir")
-        return plan(cfg, build, flags.options(), resume, run_dir)
+        location, flag = chosen_run_dir(cfg, run_dir)
+        return plan(cfg, build, checked_run_dir(location, flag), flags.options(), resume, location)
 
 
-def prepare_run(run: Preflight, run_dir: Path | str | None, quiet: bool) -> Path:
+def chosen_run_dir(cfg: RunConfig, given: Path | str | None) -> tuple[Path | str, str]:
+    """The run dir (`--run-dir`, else `checkpoint.dir`, else `runs/<name>-<time>`) and what chose it:
+    the flag or key an error about it names."""
+    if given is None and cfg.checkpoint.dir:
+        configured = run_location(Path(cfg.checkpoint.dir), "checkpoint.dir")
+        return configured or default_run_dir(cfg), "checkpoint.dir"
+    return given or default_run_dir(cfg), "--run-dir"
+
+
+def checked_run_dir(run_dir: Path | str, flag: str) -> RunDir:
+    """What preflight checks of the run dir: the folder this node writes (a bucket's staging folder)."""
+    from ddp_cli.preflight import RunDir
+
+    bucket = bucket_of(run_dir)
+    return RunDir(staging_folder(bucket) if bucket else Path(run_dir), flag)
+
+
+def prepare_run(run: Preflight, run_dir: Path | str, quiet: bool) -> Path:
     """The run directory, holding everything the workers need (`jobs.prepare_job`); for a run dir in a
     bucket, its staging folder, emptied and filled from the bucket (`pull.stage`)."""
-    from ddp_cli.preflight import warn_if_disk_short
-
     bucket = bucket_of(run_dir)
     if bucket:
         from ddp_cli.run.pull import stage
 
         run_dir = staging_folder(bucket)
         stage(RunBucket(bucket), run_dir, run.resume)
-    folder = (run_dir or default_run_dir(run.cfg)).resolve()
-    warn_if_disk_short(run, folder)
+    folder = Path(run_dir).resolve()
     prepare_job(folder, run.cfg, run.entry, run.index, Job("train", quiet, resume=run.resume, bucket=bucket))
     return folder
 
@@ -138,7 +150,7 @@ def upload_after_failure(run_dir: Path | str | None, folder: Path) -> None:
         log.warning("warning: the run's logs are only in %s: %s", folder, e)
 
 
-def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | None, opts: LaunchOptions,
+def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | str, flag: str, opts: LaunchOptions,
                     resume: str, quiet: bool) -> dict[str, Any]:
     """Check, hand off, launch; the result with where start-up time went (`StartupClock`). The index
     builds beside (`build`): meanwhile this process imports what building the model needs."""
@@ -150,10 +162,9 @@ def launch_training(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | Non
     startup = StartupClock()
     startup.mark("imports")
     if external_launcher():
-        return train_under_torchrun(cfg, build, run_dir, resume, quiet, startup)
+        return train_under_torchrun(cfg, build, run_dir, flag, resume, quiet, startup)
     single_threaded()
-    run = preflight(cfg, build, launch_workers(cfg, opts), resume, startup)
-    run_dir = run_dir or default_run_dir(cfg)
+    run = preflight(cfg, build, launch_workers(cfg, opts), resume, startup, checked_run_dir(run_dir, flag))
     with owned(run_dir, opts.node_rank == 0):
         folder = prepare_run(run, run_dir, quiet)
         startup.mark("hand_off")
@@ -195,7 +206,7 @@ def resume_command(argv: list[str], folder: Path | str) -> str:
     return shlex.join(["ddp", *kept, "--run-dir", str(folder), "--resume", "auto"])
 
 
-def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str | None,
+def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str, flag: str,
                          resume: str, quiet: bool, startup: StartupClock) -> dict[str, Any]:
     """Started by an external torchrun: rank 0 checks and prepares the run dir, every rank trains."""
     import torch.distributed as dist
@@ -209,8 +220,8 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str 
     folder, run = [None], None
     with ExitStack() as held:
         if ctx.is_main:
-            run = preflight(cfg, build, joined_workers(cfg, ctx), resume, startup)
-            run_dir = run_dir or default_run_dir(cfg)
+            workers = joined_workers(cfg, ctx)
+            run = preflight(cfg, build, workers, resume, startup, checked_run_dir(run_dir, flag))
             held.enter_context(owned(run_dir, True))
             folder[0] = str(prepare_run(run, run_dir, quiet))
             startup.mark("hand_off")
@@ -226,15 +237,15 @@ def train_under_torchrun(cfg: RunConfig, build: IndexBuild, run_dir: Path | str 
         return published(result, run_dir, Path(folder[0]))
 
 
-def plan(cfg: RunConfig, build: IndexBuild, opts: LaunchOptions, resume: str,
-         run_dir: Path | str | None = None) -> dict[str, Any]:
+def plan(cfg: RunConfig, build: IndexBuild, run_dir: RunDir, opts: LaunchOptions, resume: str,
+         location: Path | str) -> dict[str, Any]:
     """--dry-run: the checks `train` makes before starting workers, the plan they computed (going on
-    from the checkpoint a resume in `run_dir` would take; one in a bucket is not read), and the
-    scheduler whose variables filled the launch (`schedulers`: which, and each variable read)."""
+    from the checkpoint a resume in the run dir at `location` would take; one in a bucket is not read),
+    and the scheduler whose variables filled the launch (`schedulers`: which, and each variable read)."""
     from ddp_cli.cli.plan import describe, resume_plan
     from ddp_cli.preflight import launch_workers, preflight
     from ddp_cli.run.schedulers import recognise
 
-    run = preflight(cfg, build, launch_workers(cfg, opts), resume)
-    folder = None if run_dir is None or bucket_of(run_dir) else Path(run_dir).resolve()
+    run = preflight(cfg, build, launch_workers(cfg, opts), resume, run_dir=run_dir)
+    folder = None if bucket_of(location) else Path(location).resolve()
     return {**describe(run, resume_plan(run, folder)), **recognise(os.environ).as_dict()}

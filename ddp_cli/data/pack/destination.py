@@ -83,7 +83,7 @@ class Destination:
         if self.remote:
             self._call(lambda: self.fs.pipe_file(self._key(name), data), name, writes=True)
             return
-        local = self.temp_path(name)  # not io.atomic_write: its mkstemp file is 0600, a data set is shared
+        local = self.temp_path(name)  # not io.atomic_write: scratch is in .pack/, the next run cleans it
         with self._local(name), local.open("wb") as f:
             f.write(data)
             f.flush()
