@@ -32,7 +32,7 @@ def root_level():
 @pytest.fixture()
 def launch_options(monkeypatch):
     """`train --dry-run` stops at the plan, which reports the launch options it was given."""
-    def plan(cfg, build, run_dir, opts, resume):
+    def plan(cfg, build, run_dir, opts, resume, location):
         return vars(opts)
 
     monkeypatch.setattr(training, "plan", plan)
