@@ -102,7 +102,7 @@ class DistributedConfig(Section):
     )
     stop_grace_s: int = Field(
         120, ge=1, description="On SIGTERM/SIGINT, how long workers get to finish the step and "
-        "checkpoint before they are killed.",
+        "checkpoint before they are killed (a third signal kills them at once).",
     )
 
 

@@ -6,13 +6,14 @@ in a collective. They agree only every `distributed.stop_check_steps` steps (and
 at each checkpoint due anyway and each epoch's end; see `Checkpointer.due`), not
 after every step, so the host is not held back to meet the other ranks over TCP
 each step: a stop comes at most that many steps after the signal, which
-`distributed.stop_grace_s` must cover. A second signal stops at once.
+`distributed.stop_grace_s` must cover. Later signals change nothing here: a rank
+that left mid-collective or mid-checkpoint would hang its peers and lose the
+checkpoint; the launcher answers them (`run.interrupts`: the third aborts).
 """
 
 from __future__ import annotations
 
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,7 @@ class StopRequest:
         self.faults = FaultPlan.from_env(rank, lambda: bool(self.signal))
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.signal:  # asked twice: stop now
-            sys.exit(CODES[signal.Signals(signum)])
-        self.signal = signum
+        self.signal = self.signal or signum  # the first signal is the one the run stops on
 
     def after_step(self, step: int) -> None:
         """Called by every rank after every step: fires a fault `DDP_FAULTS` names for it (tests, chaos)."""

@@ -27,7 +27,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.setup import cuda_devices
-from ddp_cli.errors import INTERNAL, PEER_LOST, SIGINT, SIGTERM, ConfigError, DataError, WorkerFailed, summary
+from ddp_cli.distributed.signals import CODES
+from ddp_cli.errors import INTERNAL, PEER_LOST, ConfigError, DataError, WorkerFailed, summary
+from ddp_cli.run.interrupts import AGENT_SIGNALS, handled
 from ddp_cli.run.jobs import clear_errors, first_error
 from ddp_cli.run.logenv import quiet_torch_logs
 from ddp_cli.run.logs import RankLogs
@@ -170,6 +172,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         shutdown_timeout=cfg.stop_grace_s,
         start_method=worker_start(),
         logs_specs=logs,
+        signals_to_handle=AGENT_SIGNALS,  # SIGINT and SIGTERM are ours (`run.interrupts`)
         # torch starts each teed line with the template, rendered per worker; with an empty role it
         # renders empty, so the console reads as it would without the files
         role="",
@@ -181,21 +184,32 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
     os.environ[LAUNCHED] = "1"  # workers leave the printing of errors to us
     os.environ.update(gloo_environment(opts.nnodes, opts.rdzv_endpoint, os.environ))  # the workers inherit it
     try:
-        if config.start_method == "fork":
-            elastic_launch(config, forked)(str(job_dir))
-        else:
-            elastic_launch(config, sys.executable)("-m", "ddp_cli.run.worker", str(job_dir))
+        with handled(cfg.stop_grace_s) as interrupts:
+            if config.start_method == "fork":
+                elastic_launch(config, forked)(str(job_dir))
+            else:
+                elastic_launch(config, sys.executable)("-m", "ddp_cli.run.worker", str(job_dir))
         return config.start_method
     except ChildFailedError as e:
         raise failure(job_dir, e, logs.stderr_files) from None
     except SignalException as e:  # the agent has already passed the signal on to the workers
-        code = SIGINT if e.sigval == signal.SIGINT else SIGTERM
-        stopped = first_error(job_dir)  # the workers' own account: where their checkpoint is
-        message = stopped["message"] if stopped and stopped["exit_code"] == code else \
-            f"interrupted by {signal.Signals(e.sigval).name}"
-        raise WorkerFailed(message, code) from None
+        raise stopped(job_dir, e.sigval, interrupts.aborted) from None
     except RendezvousError as e:
         raise rendezvous_failure(e, opts.rdzv_endpoint, hosts, cfg.rdzv_timeout_s) from None
+
+
+def stopped(job_dir: Path, signum: int, aborted: int) -> WorkerFailed:
+    """A run ended by a signal (exit 130/143): the workers' own account of their stop (the checkpoint
+    that resumes it), or the abort that killed them before it (`run.interrupts`)."""
+    if aborted:
+        return WorkerFailed(f"aborted by a third {signal.Signals(aborted).name}: the workers were killed "
+                            "before their stop checkpoint; the same command resumes from the last checkpoint "
+                            "written before, if any", CODES[aborted])
+    code = CODES[signum]
+    recorded = first_error(job_dir)
+    message = recorded["message"] if recorded and recorded["exit_code"] == code else \
+        f"interrupted by {signal.Signals(signum).name}"
+    return WorkerFailed(message, code)
 
 
 def more_open_files() -> None:

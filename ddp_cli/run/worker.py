@@ -8,6 +8,7 @@ from this rank's own failure, and the worker dies with its launcher rather than 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -103,11 +104,18 @@ def fail(folder: Path, rank: int, exit_code: int, message: str, original: bool) 
     try:
         record_error(folder, rank, exit_code, message, original)
     except WriteError:
-        print(f"error: {message}", file=sys.stderr)
+        say(f"error: {message}")
         return exit_code
     if LAUNCHED not in os.environ and original:
-        print(f"error: {message}", file=sys.stderr)
+        say(f"error: {message}")
     return exit_code
+
+
+def say(line: str) -> None:
+    """A line on stderr, which may itself be a file on the disk that failed the run (the rank's log):
+    then it is lost, and the exit code alone tells the launcher."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def die_with_launcher(poll_s: float = 1.0) -> None:
@@ -150,7 +158,10 @@ def forked(job_dir: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    code = work(job_dir)
+    try:
+        code = work(job_dir)
+    except BaseException:  # multiprocessing's own exit would wait forever on the loaders, peers on us
+        exit_now(INTERNAL)
     if code:
         exit_now(code)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would call their deaths failures

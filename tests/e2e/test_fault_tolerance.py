@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import s3fs
 import torch
-from conftest import ENV, KEY, SECRET, LiveRun, ddp_in_process, last_json, run_ddp
+from conftest import ENV, KEY, SECRET, TIMEOUT, LiveRun, ddp_in_process, last_json, run_ddp
 
 from ddp_cli.train.checkpoint import CheckpointStore, write_manifest
 
@@ -23,9 +23,9 @@ EXACT = ["--set", "data.workers=1", "--set", "logging.every_steps=1", "--set", "
          "--set", "data.image_size=16", "--set", "data.val_resize=16"]
 
 
-def train(registry, run_dir, *extra, env=None):
+def train(registry, run_dir, *extra, env=None, timeout=TIMEOUT):
     return run_ddp("train", "configs/demo.toml", "--registry", str(registry), "--run-dir", str(run_dir),
-                   "--json", *EXACT, *extra, env=env)
+                   "--json", *EXACT, *extra, env=env, timeout=timeout)
 
 
 def weights(run_dir):
@@ -231,6 +231,22 @@ def test_a_full_disk_at_a_background_checkpoint_is_exit_6_naming_the_last_good_o
     resumed = train(demo_registry, run_dir, *every, "--resume", "auto")
     assert f"resumed from {good}" in resumed.stderr
     assert_bit_identical(last_json(resumed), reference, run_dir, reference_dir)
+
+
+def test_a_full_disk_under_max_restarts_is_exit_6_in_every_incarnation(demo_registry, small_disk):
+    """The disk fills after step 8 and stays full: the first incarnation's checkpoint at step 10 is
+    refused (exit 6), and so is the restarted one's, whose rank log cannot be written either; each ends
+    at once (a rank that met the full disk writing its own stderr once left through multiprocessing's
+    exit, which waits on its loaders forever, its peer in a collective with it), and the launch exit 6."""
+    disk = small_disk(64 << 20)
+    run_dir = disk / "run"
+    full = train(demo_registry, run_dir, "--set", "checkpoint.every_steps=5", "--max-restarts", "2",
+                 env={"DDP_FAULTS": "diskfull@8", "DDP_FAULTS_DISK": str(disk)}, timeout=150)
+    assert full.returncode == 6, full.stderr[-3000:]
+    assert json.loads(full.stdout.strip().splitlines()[-1])["exit_code"] == 6
+    assert (run_dir / "logs/rank0.restart2.stderr.log").exists()  # every incarnation ran, and ended
+    good = run_dir / "checkpoints/step-000000005.pt"
+    assert CheckpointStore(run_dir / "checkpoints", 1).latest_valid() == good
 
 
 def test_a_killed_worker_is_restarted_and_the_run_finishes(demo_registry, tmp_path, uninterrupted):

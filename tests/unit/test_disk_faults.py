@@ -427,3 +427,27 @@ def test_a_device_that_fails_reading_back_too_still_gets_one_line(tmp_path, monk
     error = write_error(refused(errno.EACCES), tmp_path / "x")  # even the owner cannot be read
     assert str(store.refused(error)) == (f"could not write {tmp_path / 'x'}: permission denied; the "
                                          f"checkpoints in {store.folder} could not be read back")
+
+
+class FullDiskStream:
+    """A rank's stderr when it is a log file on the disk that filled: every write refused."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_rank_that_can_write_neither_its_record_nor_its_stderr_still_ends_with_exit_6(tmp_path,
+                                                                                       monkeypatch):
+    """Its record of the failure and its stderr on the full disk: the exit code alone tells the launcher
+    (an OSError escaping here once left the rank hanging in multiprocessing's exit, its peer with it)."""
+    from ddp_cli.run import worker
+
+    def refused(*args):
+        raise WriteError("could not write errors/rank0.json: no space left")
+
+    monkeypatch.setattr(worker, "record_error", refused)
+    monkeypatch.setattr(worker.sys, "stderr", FullDiskStream())
+    assert worker.fail(tmp_path, 0, WRITE, "could not write last.pt: no space left", original=True) == WRITE

@@ -116,3 +116,38 @@ def test_a_loader_process_places_its_batch_in_shared_memory_itself():
     with mock.patch("ddp_cli.data.pipeline.loaders.get_worker_info", return_value=object()):
         in_a_loader = collate(items)
     assert in_a_loader.images.is_shared() and in_a_loader.labels.is_shared()
+
+
+def test_a_rank_that_meets_a_full_dev_shm_exits_2_with_the_one_line(shm_of, tmp_path, monkeypatch, capsys):
+    """The rank's own branch (`run.worker.job_outcome`), not the launcher's: its loader's batch could not be
+    placed in a 1 MiB /dev/shm after the run began; the rank records exit 2 and the one line for the
+    launcher, never an internal error."""
+    import json
+    import types
+
+    from resolved import resolved
+
+    from ddp_cli.config import RunConfig
+    from ddp_cli.observe.startup import StartupClock
+    from ddp_cli.run import worker
+    from ddp_cli.run.jobs import Job
+
+    shm_of(2**20)
+    cfg = resolved(RunConfig.model_validate({"data": {"dataset": "demo", "workers": 2, "prefetch_factor": 2,
+                                                      "image_size": 32, "batch_size": 32}}), loader_workers=2)
+    monkeypatch.setattr(worker, "read_job", lambda folder: (cfg, None, None, Job(mode="train")))
+    monkeypatch.setattr(worker, "setup", lambda backend, timeout_s: types.SimpleNamespace())
+    monkeypatch.setattr(worker.Heartbeat, "start", lambda ctx, timeout_s: None)
+    monkeypatch.setattr(worker, "writes_folder", lambda folder, ctx: False)
+
+    def a_batch_that_does_not_fit(*args):
+        raise RAN_OUT_IN_A_LOADER
+
+    monkeypatch.setattr(worker, "train_job", a_batch_that_does_not_fit)
+    monkeypatch.delenv(worker.LAUNCHED, raising=False)  # no launcher of ours: the rank says it itself
+    assert worker.job_outcome(tmp_path, StartupClock()) == 2
+    recorded = json.loads((tmp_path / "errors/rank0.json").read_text())
+    assert recorded["exit_code"] == 2 and recorded["original"]
+    assert recorded["message"].startswith("/dev/shm ran out during the run (1 MiB in all")
+    assert "--shm-size" in recorded["message"] and "\n" not in recorded["message"]
+    assert capsys.readouterr().err == f"error: {recorded['message']}\n"
