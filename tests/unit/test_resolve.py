@@ -20,6 +20,7 @@ from ddp_cli.config.resolve import (
     autos,
     default_min_image_size,
     for_inference,
+    prefetch_for,
     require_resolved,
     resolve,
     resume,
@@ -240,3 +241,18 @@ def test_a_run_dir_of_the_release_before_the_resolve_pass_resolves_to_itself():
     assert autos(written) == set()
     for facts in (Facts(), Facts("cuda", "bf16", 8, 1250, False, True, 7)):
         assert resolve(written, facts) == written
+
+
+def test_the_facts_each_reach_their_key():
+    """Each fact lands in its own key, and two at once both land (a pure pass: what a caller hands in)."""
+    assert resolved({}, weights_file="/w/model.pt").model.weights == "/w/model.pt"
+    weights = Pretrained("timm/resnet50.a1_in1k", "abc123", {"interpolation": "bilinear",
+                                                               "input_size": [3, 150, 160]})
+    both = resolved({"model": {"name": "timm/resnet50", "weights": "pretrained"}}, pretrained=weights,
+                    weights_file="/w/model.pt")
+    assert (both.model.weights, both.model.name) == ("/w/model.pt", "timm/resnet50.a1_in1k")
+    assert (both.data.val_interpolation, both.data.val_image_size) == ("bilinear", 160)  # (C, H, W): W
+    assert [prefetch_for(w) for w in (0, 1, 2, 3, 8)] == [2, 4, 2, 2, 2]
+    assert for_inference(config_from_dict({}), "fp32", 1).data.prefetch_factor == 2  # as given: 2
+    one = for_inference(config_from_dict({"data": {"prefetch_factor": "auto"}}), "fp32", 1)
+    assert (one.data.workers, one.data.prefetch_factor) == (1, 4)
