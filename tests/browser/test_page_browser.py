@@ -27,40 +27,46 @@ def browser() -> str:
     pytest.skip(why)
 
 
-def render(page: Path, *flags: str) -> tuple[str, list[str]]:
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The browser, looked for before the page is made (a skip costs no training)."""
+    return browser()
+
+
+def render(chromium: str, page: Path) -> tuple[str, list[str]]:
     """(the DOM after the page's scripts ran, the console messages) of `page` in headless chromium."""
     with_profile = page.parent / f"{page.stem}-profile"  # its own profile: no state from another run
     result = subprocess.run(
-        [browser(), "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run",
-         f"--user-data-dir={with_profile}", "--enable-logging=stderr", "--v=0", *flags,
+        [chromium, "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run",
+         f"--user-data-dir={with_profile}", "--enable-logging=stderr", "--v=0",
          "--dump-dom", page.as_uri()],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout, [m.group(0) for m in map(CONSOLE.search, result.stderr.splitlines()) if m]
 
 
-def test_the_page_renders_without_a_console_error(demo_page):
-    dom, console = render(demo_page[0])
+def test_the_page_renders_without_a_console_error(chromium, demo_page):
+    dom, console = render(chromium, demo_page[0])
     assert console == []
     for key in ("glance", "curves", "startup", "classes", "mistakes"):
         assert f'<section id="{key}">' in dom
     assert dom.count("<svg") >= 3 and "data:image/jpeg;base64," in dom
 
 
-def test_a_console_error_is_seen(demo_page, tmp_path: Path):
+def test_a_console_error_is_seen(chromium, demo_page, tmp_path: Path):
     """The detection is real: a copy of the page with a deliberate error is caught."""
     broken = tmp_path / "broken.html"
     broken.write_text(demo_page[0].read_text().replace("<script>", "<script>undefinedFunction();", 1))
-    _, console = render(broken)
+    _, console = render(chromium, broken)
     assert any("undefinedFunction is not defined" in line for line in console), console
 
 
-def test_the_per_class_table_sorts(demo_page, tmp_path: Path):
+def test_the_per_class_table_sorts(chromium, demo_page, tmp_path: Path):
     """A click on the top-1 header sorts the rows by it (the page's inline script, run by the browser)."""
     clicked = tmp_path / "clicked.html"
     clicked.write_text(demo_page[0].read_text().replace(
         "</body>", "<script>document.querySelectorAll('#per-class th')[4].click();</script></body>"))
-    dom, console = render(clicked)
+    dom, console = render(chromium, clicked)
     assert console == []
     table = dom[dom.index('id="per-class"'):]
     shares = [float(v) for v in re.findall(r'data-v="([-0-9.e]+)"', table[:table.index("</table>")])]
