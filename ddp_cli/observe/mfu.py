@@ -46,7 +46,9 @@ GPU_PEAKS: tuple[tuple[str, str, dict[str, float]], ...] = (
     ("V100", "NVIDIA V100 SXM2 datasheet", {"fp16": 125.0, "fp32": 15.7}),
     ("T4", "NVIDIA T4 datasheet", {"fp16": 65.0, "fp32": 8.1}),
 )
-PROBE_SIDE, PROBE_REPEATS = 1024, 6  # n x n matmuls, timed after one to warm up; the fastest counts
+# n x n matmuls, timed after two to warm up, for PROBE_SECONDS (at least PROBE_REPEATS of them): the fastest
+# counts, so a busy machine's slow ones do not lower the peak
+PROBE_SIDE, PROBE_REPEATS, PROBE_SECONDS = 1024, 3, 1.0
 PROBE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE_FILE = "peak_flops.json"
 
@@ -99,12 +101,14 @@ def probe_cpu(precision: str, threads: int) -> float:
         dtype = PROBE_DTYPES.get(precision, torch.float32)
         a, b = (torch.randn(PROBE_SIDE, PROBE_SIDE, dtype=dtype) for _ in range(2))
         a @ b
-        best = float("inf")
-        for _ in range(PROBE_REPEATS):
+        a @ b
+        times: list[float] = []
+        until = time.perf_counter() + PROBE_SECONDS
+        while len(times) < PROBE_REPEATS or time.perf_counter() < until:
             started = time.perf_counter()
             a @ b
-            best = min(best, time.perf_counter() - started)
-        return 2 * PROBE_SIDE**3 / best
+            times.append(time.perf_counter() - started)
+        return 2 * PROBE_SIDE**3 / min(times)
     finally:
         torch.set_num_threads(before)
 
@@ -131,7 +135,7 @@ def cpu_peak(precision: str, threads: int | None = None) -> Peak:
             tmp.replace(path)
         except OSError as e:  # a read-only home: measured each run instead
             log.debug(f"MFU: peak not cached at {path}: {e}")
-    return Peak(flops, f"measured: {PROBE_SIDE}x{PROBE_SIDE} {precision} matmul on {threads} threads, "
+    return Peak(flops, f"measured: {PROBE_SIDE}x{PROBE_SIDE} {precision} matmul, {threads} thread(s), "
                        f"{key.split('|')[0]}")
 
 

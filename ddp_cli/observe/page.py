@@ -152,7 +152,7 @@ def glance(run_dir: Path, summary: dict[str, Any], records: list[dict]) -> str:
          else "not reported (see docs/performance.md)"),
     ]
     if result.get("peak_source"):
-        peak = f"{result['peak_flops'] / 1e12:.4g} TFLOP/s per device ({esc(result['peak_source'])})"
+        peak = f"{result['peak_flops'] / 1e9:,.0f} GFLOP/s per device ({esc(result['peak_source'])})"
         rows.append(("MFU's peak", peak))
     recipe = "".join(f"<h3>[{esc(name)}]</h3>"
                      + facts_table([(k, esc(json.dumps(v))) for k, v in part.items()], name)
@@ -208,14 +208,15 @@ def curve_figure(records: list[dict], x: str, start: float):
             acc.plot(xs(rows), [r["top1"] for r in rows], f"{mark}-", label=f"{name}top-1")
             acc.plot(xs(rows), [r["top5"] for r in rows], f"{mark}--", label=f"{name}top-5")
     lr.plot(xs(train), [r["lr"] for r in train])
-    size.step(xs(val), [r.get("image_size", math.nan) for r in val], "o-", where="post")
+    crops = {r["epoch"]: r["image_size"] for r in val if "image_size" in r}  # an epoch's, at its validation
+    size.plot(xs(train), [crops.get(r["epoch"], math.nan) for r in train], ".-")
     speed.plot(xs(train), [r.get("images_per_second", math.nan) for r in train])
     mfu.plot(xs(train), [100 * r["mfu"] if "mfu" in r else math.nan for r in train])
     label = "step" if x == "step" else "minutes"
     loss.set(title="loss", xlabel=label, yscale="log")
     acc.set(title="validation accuracy", xlabel=label, ylim=(0, 1.02))
     lr.set(title="learning rate", xlabel=label)
-    size.set(title="train crop (px, per epoch)", xlabel=label)
+    size.set(title="train crop (px; known at each epoch's end)", xlabel=label)
     speed.set(title="images/s (all ranks)", xlabel=label, ylim=(0, None))
     mfu.set(title="MFU (% of peak)" if any("mfu" in r for r in train) else "MFU: not reported",
             xlabel=label, ylim=(0, None))
