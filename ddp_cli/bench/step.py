@@ -65,7 +65,7 @@ from ddp_cli.distributed.setup import DistContext
 from ddp_cli.models.check import tensors_on_meta
 from ddp_cli.models.families import takes_any_size
 from ddp_cli.models.zoo import build_model, count_parameters
-from ddp_cli.observe.mfu import Utilisation, measure
+from ddp_cli.observe.mfu import Utilisation, cpu_peak, measure
 from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.mixing import loss_function
@@ -383,7 +383,6 @@ def _step_worker(rank: int, world_size: int, spec: StepSpec, fast: str) -> dict 
     syncs = host_syncs(spec, fast, True) if spec.device == "cuda" else None
     if rank:
         return None
-    # MFU's peaks, measured (a CPU) once the other ranks are done timing: nothing else runs beside the probe
     use = {precision: utilisation(spec, precision, world_size) for precision in {fast, "fp32"}}
     images = spec.rounds * spec.steps * spec.batch_size * world_size
     rows = [{"loop": loop, "precision": precision, "channels_last": channels_last, "images": images,
@@ -415,6 +414,9 @@ def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
     each); the shared bench dict."""
     fast = native_precision(torch.device(spec.device))
     backend = "nccl" if spec.device == "cuda" else "gloo"
+    if spec.device == "cpu":  # MFU's peaks probed here, before any worker runs, and cached for rank 0
+        for precision in {fast, "fp32"}:
+            cpu_peak(precision, threads)
     out = run_workers(_step_worker, world_size, spec, fast, threads=threads, backend=backend)[0]
     rate = {(r["loop"], r["precision"], r["channels_last"]): r["images_per_second"] for r in out["rows"]}
     return {

@@ -203,10 +203,11 @@ def curve_figure(records: list[dict], x: str, start: float):
     loss.plot(xs(val), [r["loss"] for r in val], "o-", label="val")
     if ema:
         loss.plot(xs(ema), [r["loss"] for r in ema], "D-", label="val EMA")
-    for rows, name, mark in ((val, "", "o"), (ema, "EMA ", "D")):
+    for rows, name, mark, color in ((val, "", "o", "C0"), (ema, "EMA ", "D", "C2")):  # top-5 dashed
         if rows:
-            acc.plot(xs(rows), [r["top1"] for r in rows], f"{mark}-", label=f"{name}top-1")
-            acc.plot(xs(rows), [r["top5"] for r in rows], f"{mark}--", label=f"{name}top-5")
+            acc.plot(xs(rows), [r["top1"] for r in rows], f"{mark}-", color=color, label=f"{name}top-1")
+            acc.plot(xs(rows), [r["top5"] for r in rows], f"{mark}--", color=color, alpha=0.6,
+                     label=f"{name}top-5")
     lr.plot(xs(train), [r["lr"] for r in train])
     crops = {r["epoch"]: r["image_size"] for r in val if "image_size" in r}  # an epoch's, at its validation
     size.plot(xs(train), [crops.get(r["epoch"], math.nan) for r in train], ".-")
