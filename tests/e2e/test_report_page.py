@@ -83,6 +83,8 @@ def test_nothing_from_the_network(demo_page):
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.IGNORECASE)
     assert not re.search(r"url\(\s*['\"]?(https?:)?//|@import|<link\b|<iframe\b", html, re.IGNORECASE)
     assert "<script src" not in html
+    namespaces = {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}  # names, never fetched
+    assert set(re.findall(r"https?://[^\s\"'<>)]+", html)) <= namespaces
 
 
 def test_mid_run_shows_what_exists(demo_page, tmp_path: Path):
