@@ -167,11 +167,12 @@ class Utilisation:
 
 
 def measure(model: nn.Module, sizes: Iterable[int], device: torch.device, precision: str,
-            world_size: int) -> Utilisation | None:
-    """MFU's facts for `model` (on the meta device) at `sizes` on `device`; None, said once, where the
-    model's FLOPs cannot be counted or the device's peak is not known: the run goes on without MFU."""
+            world_size: int, images: int = 1) -> Utilisation | None:
+    """MFU's facts for `model` (on the meta device) at `sizes` on `device`, each counted image taking
+    `images` through the model (FixMatch's unlabelled views); None, said once, where the model's FLOPs
+    cannot be counted or the device's peak is not known: the run goes on without MFU."""
     try:
-        flops = {size: flops_per_image(model, size) for size in sorted(set(sizes))}
+        flops = {size: images * flops_per_image(model, size) for size in sorted(set(sizes))}
     except Exception as e:  # noqa: BLE001 (a user's model may do anything on the meta device)
         log.warning(f"MFU: not reported: the model's FLOPs could not be counted on the meta device "
                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")

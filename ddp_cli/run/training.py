@@ -93,13 +93,16 @@ def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
 
 
 def model_utilisation(cfg: RunConfig, ctx: DistContext, classes: int) -> Utilisation | None:
-    """MFU's facts (observe/mfu.py): the model's FLOPs per image at every train crop the run takes,
-    counted on a meta-device copy (no memory, nothing computed), and the device's peak."""
+    """MFU's facts (observe/mfu.py): the model's FLOPs per labelled image at every train crop the run
+    takes, counted on a meta-device copy (no memory, nothing computed), and the device's peak. FixMatch
+    passes each labelled image through the model with semi.mu unlabelled ones in two views: 1 + 2 mu
+    images (its EMA teacher's forward, where on, is not counted)."""
     with tensors_on_meta():
         model = build_model(cfg.model, classes, cfg.data.image_size)
     freeze(model, cfg.model)  # frozen layers have no weight gradients to count
     sizes = {cfg.data.train_size(epoch) for epoch in range(cfg.train.epochs)}
-    return measure(model.train(), sizes, ctx.device, cfg.train.precision, ctx.world_size)
+    images = 1 + 2 * cfg.semi.mu if cfg.semi.on() else 1
+    return measure(model.train(), sizes, ctx.device, cfg.train.precision, ctx.world_size, images)
 
 
 def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,

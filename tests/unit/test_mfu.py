@@ -93,3 +93,19 @@ def test_a_model_that_cannot_be_counted_leaves_mfu_out(caplog):
     with caplog.at_level(logging.WARNING, logger="ddp"):
         assert measure(Uncountable(), [32], torch.device("cpu"), "fp32", 1) is None
     assert len(caplog.records) == 1 and "MFU: not reported" in caplog.text
+
+
+def test_fixmatch_counts_every_image_its_step_passes_through_the_model(monkeypatch):
+    """Per labelled image a FixMatch step runs 1 + 2 mu images (the labelled, the weak and strong views)."""
+    from ddp_cli.config import RunConfig
+    from ddp_cli.distributed.setup import DistContext
+    from ddp_cli.run.training import model_utilisation
+
+    monkeypatch.setattr(mfu, "cpu_peak", lambda precision, threads=None: Peak(1e11, "measured"))
+    ctx = DistContext(0, 2, 0, 2, torch.device("cpu"), "gloo")
+    plain = RunConfig.model_validate({"model": {"name": "resnet_tiny"}, "data": {"image_size": 32},
+                                      "train": {"precision": "fp32", "epochs": 1}})
+    semi = plain.model_copy(update={"semi": plain.semi.model_copy(update={"method": "fixmatch", "mu": 3})})
+    alone, with_views = model_utilisation(plain, ctx, 10), model_utilisation(semi, ctx, 10)
+    assert with_views.flops[32] == pytest.approx(7 * alone.flops[32])
+    assert with_views.of(100.0, 32) == pytest.approx(7 * alone.of(100.0, 32))
