@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # the site: strict (a broken link, page or anchor fails), offline; without Material's notice
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-.PHONY: setup train test test-fast test-scale test-chaos test-cpu-kinds test-cuda gpu-check lint docs clean constraints \
+.PHONY: setup train test test-fast test-scale test-chaos test-cpu-kinds test-cuda test-browser gpu-check lint docs clean constraints \
 	mutate fuzz bench-sweep
 
 setup: $(STAMP)
@@ -71,6 +71,11 @@ test-chaos: setup
 KINDS ?= avx2-slow bf16-fast
 test-cpu-kinds: setup
 	$(BIN)/python tools/cpu_kinds.py $(KINDS)
+
+# `ddp report --html`'s page rendered by a real browser (tests/browser): headless chromium, no console error,
+# the inline script sorting; fails where chromium is missing (`apt-get install chromium`), so `make test` needs none.
+test-browser: setup
+	DDP_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q -m browser tests/browser -rs
 
 # The GPU paths (NCCL, bf16/fp16 autocast + GradScaler, pinned loaders); skipped without CUDA.
 test-cuda: setup

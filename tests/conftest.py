@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -276,3 +277,15 @@ def clear_instance_caches() -> None:
 
     s3fs.S3FileSystem.clear_instance_cache()
     S3FileSystemOnce.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def demo_page(trained_demo: Path, tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(the page `ddp report --html` makes of a copy of `trained_demo` after `ddp validate --per-class
+    --predictions RUN_DIR/predictions.csv`, that copy, the report's JSON): what the page's tests read."""
+    run_dir = tmp_path_factory.mktemp("page") / "demo"
+    shutil.copytree(trained_demo, run_dir)
+    last_json(run_ddp("validate", "--checkpoint", str(run_dir / "checkpoints" / "best.pt"), "--per-class",
+                      "--predictions", str(run_dir / "predictions.csv"), "--json"))
+    page = run_dir.parent / "demo.html"
+    return page, run_dir, last_json(ddp_in_process("report", str(run_dir), "--html", str(page), "--json"))

@@ -30,7 +30,10 @@ a `ddp_ema` row has the weights' EMA on, updated every step
 EMA update alone, and `ema_share_of_step` is its fraction of the breakdown's step.
 The variants alternate over `rounds` (fresh model each time) so background load
 hits all alike. With `device = "cuda"` the workers are NCCL ranks, one GPU
-each, and each row also gives the peak GPU memory its loop allocated. A
+each, and each row also gives the peak GPU memory its loop allocated. Each row's `mfu` is its images/s x
+the model's FLOPs per image (forward and backward, torch's counter) over the peak of a device at the
+row's precision x the world size; `mfu`, `peak_flops` and `peak_source` at the top are the `ddp` row's
+at the fast precision (observe/mfu.py: a datasheet's figure for a GPU, a measured matmul on a CPU). A
 breakdown times the Trainer's own step methods with the default settings (data
 wait, the objective's `loss`, `backward`, `optimizer_step` with its scaler, clipping and
 EMA), once with DDP's all-reduce and once under
@@ -59,8 +62,10 @@ from ddp_cli.config.resolve import Facts, resolve
 from ddp_cli.data.pipeline.loaders import Loaders, collate
 from ddp_cli.data.pipeline.transforms import MEAN, STD
 from ddp_cli.distributed.setup import DistContext
+from ddp_cli.models.check import tensors_on_meta
 from ddp_cli.models.families import takes_any_size
 from ddp_cli.models.zoo import build_model, count_parameters
+from ddp_cli.observe.mfu import Utilisation, cpu_peak, measure
 from ddp_cli.run.loopback import run_workers
 from ddp_cli.train.checkpoint import Checkpointer
 from ddp_cli.train.mixing import loss_function
@@ -378,13 +383,23 @@ def _step_worker(rank: int, world_size: int, spec: StepSpec, fast: str) -> dict 
     syncs = host_syncs(spec, fast, True) if spec.device == "cuda" else None
     if rank:
         return None
+    use = {precision: utilisation(spec, precision, world_size) for precision in {fast, "fp32"}}
     images = spec.rounds * spec.steps * spec.batch_size * world_size
     rows = [{"loop": loop, "precision": precision, "channels_last": channels_last, "images": images,
              "seconds": sum(s), "images_per_second": images / sum(s),
+             **({"mfu": use[precision].of(images / sum(s), spec.image_size)} if use[precision] else {}),
              **({"peak_memory_mib": peaks[(loop, precision, channels_last)]} if peaks else {})}
             for (loop, precision, channels_last), s in seconds.items()]
     paired_ms = {name: statistics.median(s) * 1e3 for name, s in paired.items()}
-    return {"rows": rows, "breakdown": parts, "ema_ms": ema, "host_syncs": syncs, "paired_ms": paired_ms}
+    return {"rows": rows, "breakdown": parts, "ema_ms": ema, "host_syncs": syncs, "paired_ms": paired_ms,
+            "utilisation": use[fast].about() if use[fast] else None}
+
+
+def utilisation(spec: StepSpec, precision: str, world_size: int) -> Utilisation | None:
+    """MFU's facts for the bench's model at `precision` on this rank's device (observe/mfu.py)."""
+    with tensors_on_meta():
+        model = build_model(ModelConfig(name=spec.model), spec.classes, spec.image_size)
+    return measure(model.train(), [spec.image_size], bench_device(spec), precision, world_size)
 
 
 def step_header(bench: str, spec: StepSpec, world_size: int, threads: int) -> dict:
@@ -399,6 +414,9 @@ def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
     each); the shared bench dict."""
     fast = native_precision(torch.device(spec.device))
     backend = "nccl" if spec.device == "cuda" else "gloo"
+    if spec.device == "cpu":  # MFU's peaks probed here, before any worker runs, and cached for rank 0
+        for precision in {fast, "fp32"}:
+            cpu_peak(precision, threads)
     out = run_workers(_step_worker, world_size, spec, fast, threads=threads, backend=backend)[0]
     rate = {(r["loop"], r["precision"], r["channels_last"]): r["images_per_second"] for r in out["rows"]}
     return {
@@ -417,4 +435,14 @@ def bench_step(spec: StepSpec, world_size: int = 2, threads: int = 1) -> dict:
             "host_syncs_from": out["host_syncs"]["from"]} if out["host_syncs"] else {}),
         "ema_ms": out["ema_ms"],
         "ema_share_of_step": out["ema_ms"] / out["breakdown"]["step_ms"],
+        **mfu_keys(out["rows"], out["utilisation"], fast),
     }
+
+
+def mfu_keys(rows: list[dict], about: dict | None, fast: str) -> dict:
+    """`mfu` of ddp's defaults (the `ddp` row at the fast precision) and the peak it is a share of; none
+    where the model's FLOPs or the device's peak are not known (said once)."""
+    if about is None:
+        return {}
+    row = next(r for r in rows if (r["loop"], r["precision"], r["channels_last"]) == ("ddp", fast, True))
+    return {"mfu": row["mfu"], **about}

@@ -272,6 +272,12 @@ def report(
         metavar="FILE.png",
         help="PNG to write (default RUN_DIR/report.png); any per-class one goes beside it, STEM-classes.png.",
     )] = None,
+    html: Annotated[Path | None, typer.Option(
+        metavar="FILE.html", help="Also write the whole run as one self-contained HTML page (no network).",
+    )] = None,
+    predictions: Annotated[Path | None, typer.Option(
+        metavar="FILE.csv", help="The page's gallery of mistakes from this `ddp validate --predictions` CSV "
+        "(default: the newest in RUN_DIR).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Plot a run's loss, accuracy, LR and images/s, and summarise it (works mid-run).
@@ -284,8 +290,9 @@ def report(
     * `ddp report runs/demo-YYYYMMDD-HHMMSS`
     * `ddp report runs/demo-YYYYMMDD-HHMMSS --out curves.png --json`
     * `ddp report s3://my-bucket/runs/demo` (report.png uploaded beside the run)
+    * `ddp report runs/demo-YYYYMMDD-HHMMSS --html demo.html` (curves, classes, the images it gets wrong)
     """
-    summary = reports.report(run_dir, out)
+    summary = reports.report(run_dir, out, html, predictions)
     emit(summary, as_json, lambda: render.print_report(summary))
 
 

@@ -40,7 +40,7 @@ def print_train_summary(result: dict[str, Any]) -> None:
     served, other = (ema, final) if ema and result.get("weights") == "ema" else (final, ema)
     names = ("EMA", "trained") if served is ema else ("trained", "EMA")
     lines = [f"[bold green]done[/] {_scores(served)} on {served['images']} val images, {names[0]} weights  "
-             f"({result['images_per_second']:.0f} img/s)"]
+             f"({result['images_per_second']:.0f} img/s{_mfu(result)})"]
     lines += [f"            {names[1]} weights: {_scores(other)}"] if other else []
     lines += [f"best:       top-1 {result['best_top1']:.4f} ({names[0]} weights, in best.pt)"] \
         if result.get("best_top1", -1) >= 0 else []
@@ -52,6 +52,11 @@ def print_train_summary(result: dict[str, Any]) -> None:
     if result.get("pruned_at_epoch"):
         Console().print(f"pruned:     after epoch {result['pruned_at_epoch']} by the sweep's pruner",
                         highlight=False)
+
+
+def _mfu(result: dict[str, Any]) -> str:
+    """", MFU 29.9%" where the run reports it (docs/performance.md)."""
+    return f", MFU {result['mfu']:.1%}" if result.get("mfu") is not None else ""
 
 
 def _scores(val: dict[str, Any]) -> str:

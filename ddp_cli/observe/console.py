@@ -28,8 +28,8 @@ from rich.table import Table
 log = logging.getLogger("ddp")
 COLUMNS = {"epoch": "epoch", "train_loss": "train loss", "val_loss": "val loss", "top1": "top-1",
            "top5": "top-5", "ema_top1": "EMA top-1", "seconds": "time s", "images_per_second": "img/s",
-           "skipped": "skipped"}
-OPTIONAL = ("ema_top1",)  # a column only where a row has it (the EMA's: train.ema_decay > 0)
+           "mfu": "MFU", "skipped": "skipped"}
+OPTIONAL = ("ema_top1", "mfu")  # a column only where a row has it (the EMA's; MFU where reported)
 
 
 class RunConsole:
@@ -98,16 +98,18 @@ class RunConsole:
         for key in keys:
             table.add_column(COLUMNS[key], justify="right")
         for row in self.rows:
-            table.add_row(*(_cell(row.get(key, "")) for key in keys))
+            table.add_row(*(_cell(row.get(key, ""), key) for key in keys))
         return table
 
     def _view(self) -> Group:
         return Group(self.table(), self.progress) if self.rows else Group(self.progress)
 
 
-def _cell(value: object) -> str:
+def _cell(value: object, key: str = "") -> str:
+    if key == "mfu" and isinstance(value, float):  # a share of the peak
+        return f"{value:.1%}"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _fmt(fields: dict[str, float]) -> str:
-    return " ".join(f"{k}={_cell(v)}" for k, v in fields.items())
+    return " ".join(f"{k}={_cell(v, k)}" for k, v in fields.items())

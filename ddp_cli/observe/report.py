@@ -58,6 +58,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     best = max(ema if weights == "ema" else val, key=lambda r: r["top1"], default=None)
     last, last_ema = (val[-1] if val else {}), (ema[-1] if ema else {})
     rates = [r["images_per_second"] for r in train if r.get("images_per_second")]
+    shares = [r["mfu"] for r in train if isinstance(r.get("mfu"), int | float)]
     return {
         "run_dir": str(run_dir),
         "finished": (run_dir / "result.json").is_file(),
@@ -75,6 +76,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "best_top1": best["top1"] if best else None,  # of the weights best.pt holds, as result.json's
         "best_epoch": best["epoch"] if best else None,
         "images_per_second": median(rates) if rates else None,
+        "mfu": median(shares) if shares else None,  # of the windows, as images/s (observe/mfu.py)
         **classes.summary(classes.latest_evaluation(run_dir)),
         **semi_summary(run_dir),
     }

@@ -22,10 +22,12 @@ from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
 from ddp_cli.errors import DdpError, WriteError
+from ddp_cli.models.check import tensors_on_meta
 from ddp_cli.models.finetune import freeze
 from ddp_cli.models.weights import load_weights
 from ddp_cli.models.zoo import build_model
 from ddp_cli.observe.console import RunConsole
+from ddp_cli.observe.mfu import Utilisation, measure
 from ddp_cli.observe.report import plot
 from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.observe.startup import StartupClock
@@ -96,6 +98,19 @@ def chosen_checkpoint(resume: str, folder: Path) -> Path | None:
     return None if resume == "never" else Path(resume)
 
 
+def model_utilisation(cfg: RunConfig, ctx: DistContext, classes: int) -> Utilisation | None:
+    """MFU's facts (observe/mfu.py): the model's FLOPs per labelled image at every train crop the run
+    takes, counted on a meta-device copy (no memory, nothing computed), and the device's peak. FixMatch
+    passes each labelled image through the model with semi.mu unlabelled ones in two views: 1 + 2 mu
+    images (its EMA teacher's forward, where on, is not counted)."""
+    with tensors_on_meta():
+        model = build_model(cfg.model, classes, cfg.data.image_size)
+    freeze(model, cfg.model)  # frozen layers have no weight gradients to count
+    sizes = {cfg.data.train_size(epoch) for epoch in range(cfg.train.epochs)}
+    images = 1 + 2 * cfg.semi.mu if cfg.semi.on() else 1
+    return measure(model.train(), sizes, ctx.device, cfg.train.precision, ctx.world_size, images)
+
+
 def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
                   index: IndexTable, job: Job, startup: StartupClock, writes: bool) -> Trainer:
     """The worker's Trainer: an identical model on every rank, this rank's loaders, and what ties
@@ -106,6 +121,7 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
     if cfg.model.weights:
         load_weights(model, cfg.model, len(index.classes))
     freeze(model, cfg.model)  # fine-tuning: before DDP wraps it
+    utilisation = model_utilisation(cfg, ctx, len(index.classes)) if ctx.is_main else None
     startup.mark("model")
     fs, root = entry.open()
     loaders = build_semi_loaders(cfg, fs, root, index, ctx.rank, ctx.world_size,
@@ -131,7 +147,7 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
             weights="model", dataset=entry.name, split="val"))) if ctx.is_main else None
     trainer = Trainer(cfg, ctx, model, loaders, count_steps(len(loaders.train), cfg.train),
                       checkpointer, metrics, console, startup,
-                      on_validation=on_validation, stop_after_epoch=epoch_gate(ctx))
+                      on_validation=on_validation, stop_after_epoch=epoch_gate(ctx), utilisation=utilisation)
     startup.mark("ddp")
     return trainer
 

@@ -35,16 +35,21 @@ class EpochEnd:
     lr: float  # at the epoch's end
     image_size: int  # of the epoch's train images
     metrics: dict[str, Any] = field(default_factory=dict)  # the objective's own, over the epoch
+    mfu: float | None = None  # model FLOPs utilisation of the epoch's training, where reported
 
     def history_row(self) -> dict[str, Any]:
         """The run's history entry (`RunState.history`), also the console's epoch line."""
         return {"epoch": self.epoch, "train_loss": self.train_loss, "val_loss": self.val["loss"],
                 "top1": self.val["top1"], "top5": self.val["top5"],
                 **({"ema_top1": self.ema_val["top1"]} if self.ema_val else {}), "seconds": self.seconds,
-                "images_per_second": self.images_per_second, "skipped": self.skipped,
+                "images_per_second": self.images_per_second, **self.utilisation(), "skipped": self.skipped,
                 "io_retries": self.io_retries, **self.metrics}
 
     def validation_keys(self) -> dict[str, Any]:
         """What each validation record of metrics.jsonl (`val`, `val_ema`) carries besides its metrics."""
         return {"lr": self.lr, "image_size": self.image_size, "images_per_second": self.images_per_second,
-                "skipped_images": self.skipped, "io_retries": self.io_retries}
+                **self.utilisation(), "skipped_images": self.skipped, "io_retries": self.io_retries}
+
+    def utilisation(self) -> dict[str, float]:
+        """`mfu`, where the run reports it."""
+        return {} if self.mfu is None else {"mfu": self.mfu}

@@ -45,6 +45,7 @@ from ddp_cli.distributed.reduce import replicate
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.errors import ConfigError, DivergedError
 from ddp_cli.observe.console import RunConsole
+from ddp_cli.observe.mfu import Utilisation
 from ddp_cli.observe.sinks import Sink
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
@@ -102,7 +103,8 @@ class Trainer:
                  metrics: Sink | None = None, console: RunConsole | None = None,
                  startup: StartupClock | None = None, *,
                  on_validation: Callable[[EvalTotals, int], None] | None = None,
-                 stop_after_epoch: Callable[[dict[str, float], int], bool] | None = None) -> None:
+                 stop_after_epoch: Callable[[dict[str, float], int], bool] | None = None,
+                 utilisation: Utilisation | None = None) -> None:
         require_resolved(cfg, "the Trainer")
         self.precision = cfg.train.precision
         self.cfg, self.ctx, self.loaders, self.steps_per_epoch = cfg, ctx, loaders, steps_per_epoch
@@ -131,6 +133,7 @@ class Trainer:
         self.on_validation = on_validation  # (totals, epoch): rank 0's files
         # (val metrics, epoch) -> stop here? Asked on every rank at each epoch's end (a sweep's pruner)
         self.stop_after_epoch = stop_after_epoch
+        self.utilisation = utilisation  # MFU's FLOPs and peak (observe/mfu.py), where reported: rank 0
         self.stopped_at: int | None = None  # the epoch a stop_after_epoch ended the run after
         self.checkpointer.track(self.state)
         self.checkpointer.register(
@@ -138,7 +141,7 @@ class Trainer:
             ema=self.ema, rng=RankRngs(ctx.rank, ctx.world_size), optional=("ema",))
 
     def fit(self) -> dict[str, Any]:
-        cfg, images_seen, train_seconds = self.cfg, 0, 0.0
+        cfg, images_seen, train_seconds, flops = self.cfg, 0, 0.0, 0.0
         for epoch in range(self.state.epoch, cfg.train.epochs):
             # images this epoch trains: a resumed one only those of the steps it has left
             trained = (self.steps_per_epoch - self.state.step_in_epoch) * self.global_batch
@@ -147,6 +150,8 @@ class Trainer:
             seconds = time.perf_counter() - started
             train_seconds += seconds
             images_seen += trained
+            size = cfg.data.train_size(epoch)
+            flops += trained * (self.utilisation.flops.get(size, 0.0) if self.utilisation else 0.0)
             if epoch < self.ema_bn_epochs:
                 self.recalibrate_ema()
             evaluation, of_ema = self.validate(bad)
@@ -155,8 +160,8 @@ class Trainer:
                            ema_val=of_ema.metrics if of_ema else None, seconds=seconds,
                            images_per_second=trained / seconds,
                            skipped=len(bad), io_retries=self.retries_since_last(),
-                           lr=self.optimizer.param_groups[0]["lr"], image_size=cfg.data.train_size(epoch),
-                           metrics=metrics)
+                           lr=self.optimizer.param_groups[0]["lr"], image_size=size, metrics=metrics,
+                           mfu=self.mfu(trained / seconds, size).get("mfu"))
             self.end_epoch(end, bad)
             self.report(epoch, end, evaluation)
             judged = end.ema_val if cfg.checkpoint.best_metric == "ema_top1" else end.val  # the run's weights
@@ -164,7 +169,7 @@ class Trainer:
             if self.stopping_after(judged, epoch + 1):
                 break
         self.console.summary(self.state.history)
-        return self.summary(images_seen / max(train_seconds, 1e-9))
+        return self.summary(images_seen / max(train_seconds, 1e-9), flops / max(train_seconds, 1e-9))
 
     def end_epoch(self, end: EpochEnd, bad: set[str]) -> None:
         """The run's progress past an epoch: its history row, the whole run's counts, and no running sums
@@ -240,8 +245,9 @@ class Trainer:
                 if step % every == 0 or step == self.steps_per_epoch:
                     loss = self.check_finite()
                     rate = (step - window[0]) * self.global_batch / (time.perf_counter() - window[1])
-                    update(step, loss=loss, lr=lrs[-1], img_s=rate)
-                    self.log("train", epoch, loss=loss, lr=lrs[-1], lrs=lrs, images_per_second=rate,
+                    mfu = self.mfu(rate, self.cfg.data.train_size(epoch))
+                    update(step, loss=loss, lr=lrs[-1], img_s=rate, **mfu)
+                    self.log("train", epoch, loss=loss, lr=lrs[-1], lrs=lrs, images_per_second=rate, **mfu,
                              **self.metrics_window())
                     window, lrs = (step, time.perf_counter()), []
                 if step < self.steps_per_epoch:  # the epoch's last step is saved after validation
@@ -249,6 +255,12 @@ class Trainer:
         total = self.running.reduced().read()
         return total.loss / max(total.steps, 1), bad, self.objective.metrics(total.objective,
                                                                              total.steps * self.accum)
+
+    def mfu(self, images_per_second: float, size: int) -> dict[str, float]:
+        """`mfu`, the model FLOPs utilisation at `images_per_second` (all ranks) of `size` crops; none where
+        not reported (another rank, a model torch cannot count, a GPU without a known peak)."""
+        share = self.utilisation.of(images_per_second, size) if self.utilisation else None
+        return {} if share is None else {"mfu": share}
 
     def metrics_window(self) -> dict[str, Any]:
         """The objective's metrics since the last record (all ranks'); none, and no collective, without
@@ -410,8 +422,14 @@ class Trainer:
                      f"step {position} of {self.steps_per_epoch * self.cfg.train.epochs} (epoch "
                      f"{self.state.epoch + 1}, step {self.state.step_in_epoch} of {self.steps_per_epoch})")
 
-    def summary(self, images_per_second: float) -> dict[str, Any]:
+    def summary(self, images_per_second: float, flops_per_second: float = 0.0) -> dict[str, Any]:
+        """`train --json`'s summary; `flops_per_second`: the model's, over this process's training time
+        (MFU's numerator, whatever the crop sizes were)."""
         last = self.state.history[-1] if self.state.history else {}
+        use, mfu = self.utilisation, {}
+        if use and flops_per_second:
+            mfu = {"mfu": flops_per_second / (use.peak.flops * use.world_size), "peak_flops": use.peak.flops,
+                   "peak_source": use.peak.source}
         return {
             "epochs": self.cfg.train.epochs,
             "world_size": self.ctx.world_size,
@@ -421,6 +439,7 @@ class Trainer:
             "best_top1": self.state.best_top1,  # of the weights best.pt holds (checkpoint.best_metric)
             "weights": "ema" if self.cfg.checkpoint.best_metric == "ema_top1" else "model",  # ... these
             "images_per_second": images_per_second,
+            **mfu,  # a share of the devices' peak at the run's precision (observe/mfu.py)
             "skipped_images": len(self.state.skipped_files),  # distinct bad files, whole run
             "io_retries": self.state.io_retries,  # transient storage errors retried, whole run
             "startup_seconds": self.startup.seconds(),  # to the end of the first step, by phase

@@ -41,6 +41,14 @@ def test_bench_step_rows_ratios_and_breakdown():
     assert "host_syncs_per_step" not in out  # CPU
     assert out["device"] == "cpu" and all("peak_memory_mib" not in row for row in out["rows"])
     assert out["ema_ms"] > 0
+    # MFU: each row's images/s x the model's FLOPs per image over the measured peak x the world size
+    flops = out["flops_per_image"]["16"]
+    assert out["peak_source"].startswith(f"measured: 1024x1024 {fast} matmul") and out["peak_flops"] > 0
+    defaults = ("ddp", fast, True)
+    ddp = next(r for r in out["rows"] if (r["loop"], r["precision"], r["channels_last"]) == defaults)
+    assert abs(out["mfu"] - ddp["mfu"]) < 1e-12
+    assert abs(ddp["mfu"] - ddp["images_per_second"] * flops / (out["peak_flops"] * 2)) < 1e-9 * ddp["mfu"]
+    assert all(0 < r["mfu"] < 1 for r in out["rows"])
     assert abs(out["ema_share_of_step"] - out["ema_ms"] / out["breakdown"]["step_ms"]) < 1e-9
     parts = out["breakdown"]
     assert set(parts) == {"data_ms", "forward_ms", "backward_ms", "exposed_allreduce_ms", "optimizer_ms",

@@ -17,7 +17,7 @@ from ddp_cli.observe.report import summarize
 METRICS = [{"split": "train", "epoch": 1, "step": 4, "loss": 1.2, "lr": 0.1, "images_per_second": 90.0},
            {"split": "val", "epoch": 1, "step": 4, "loss": 0.5, "top1": 0.8, "top5": 0.95}]
 OLD_KEYS = {"run_dir", "finished", "epochs_done", "steps", "last_train_loss", "last_lr", "top1", "top5",
-            "val_loss", "best_top1", "best_epoch", "images_per_second", "plot"}
+            "val_loss", "best_top1", "best_epoch", "images_per_second", "mfu", "plot"}
 EMA_KEYS = {"ema_top1", "ema_top5", "ema_val_loss", "weights"}  # the EMA beside the trained weights
 
 

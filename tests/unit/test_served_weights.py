@@ -115,6 +115,7 @@ def test_train_json_names_the_weights_best_top1_is_of(best_metric, weights):
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(train=SimpleNamespace(epochs=1), checkpoint=checkpoint),
         ctx=SimpleNamespace(world_size=2), precision="fp32", state=state, stopped_at=None,
-        startup=SimpleNamespace(seconds=dict), objective=SimpleNamespace(summary=lambda last: {}))
+        startup=SimpleNamespace(seconds=dict), objective=SimpleNamespace(summary=lambda last: {}),
+        utilisation=None)
     summary = Trainer.summary(trainer, 100.0)
     assert summary["weights"] == weights and summary["best_top1"] == 0.9

@@ -15,8 +15,8 @@ the ranks of the node).
   their cores from the model's threads. So the loaders are decoding's share
   of the cores, ceil(C * D / (D + M)), at most C - 1, and none at all unless
   that gain, D (C - 1) / (C D + M), reaches 10%. M is the model's forward
-  FLOPs at the train crop (counted on the meta device), times 3 for the
-  backward, over one core's measured matmul rate.
+  and backward FLOPs at the train crop (counted on the meta device:
+  models/flops.py), over one core's measured matmul rate.
 
 Prefetch ("auto"): at least torch's 2 batches per loader process, and 4 batches
 queued per rank in all, so one slow batch does not stall the step
@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, replace
 import fsspec
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_cli.config import AugmentConfig, DataConfig
 from ddp_cli.data.pipeline.augment import train_transform
@@ -43,10 +42,10 @@ from ddp_cli.data.pipeline.images import BadImage
 from ddp_cli.data.pipeline.loaders import open_reader, read_row
 from ddp_cli.data.pipeline.transforms import ValTransform
 from ddp_cli.data.sources.packed import Split
+from ddp_cli.models.flops import flops_per_image
 
 MIN_GAIN = 0.10  # loader processes on CPU only when they would speed a step up this much
 SAMPLES = 8  # images decoded to measure D (after one to warm up)
-BACKWARD = 3  # forward + backward FLOPs over forward FLOPs
 
 
 @dataclass(frozen=True)
@@ -102,10 +101,7 @@ def decode_ms(fs: fsspec.AbstractFileSystem, root: str, split: Split,
 def model_ms(model: nn.Module, size: int, train: bool = True) -> float:
     """Core-milliseconds of the model's compute per image: FLOPs (of a meta-device `model`)
     over one core's matmul rate."""
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(torch.empty(1, 3, size, size, device="meta"))
-    flops = counter.get_total_flops() * (BACKWARD if train else 1)
-    return flops / core_flops_per_second() * 1000
+    return flops_per_image(model, size, train) / core_flops_per_second() * 1000
 
 
 def core_flops_per_second(n: int = 256, repeat: int = 4) -> float:
