@@ -245,3 +245,47 @@ def test_an_unreadable_ddp_faults_stops_preflight_not_each_worker(loader_rule, m
         preflight.preflight(cfg, build, CPU_WORKERS)
     monkeypatch.setenv("DDP_FAULTS", "sigterm@6")
     assert preflight.preflight(cfg, build, CPU_WORKERS).resume == "never"
+
+
+def test_loaders_as_set_are_not_measured(loader_rule):
+    """data.workers given: no measurement (it costs a decode of the split's images), the number as set."""
+    cfg = RunConfig().resolved({"model.name": "resnet_tiny", "data.image_size": 32, "data.batch_size": 10,
+                                "data.workers": 2})
+    plan = preflight.preflight(cfg, SimpleNamespace(result=lambda: fake_dataset(1000)), CPU_WORKERS)
+    assert "choose" not in loader_rule
+    assert (plan.cfg.data.workers, plan.loaders.rule) == (2, "data.workers as set")
+    entry, index = fake_dataset()
+    given = preflight.resolved_for_inference(cfg, CPU_WORKERS, entry, index, None, "val")
+    assert "choose" not in loader_rule and given.data.workers == 2
+    model = torch.nn.Linear(1, 1)
+    preflight.resolved_for_inference(RunConfig(), CPU_WORKERS, entry, index, model, "val")
+    assert loader_rule["choose"][0][6] is model  # the rule times the checkpoint's model
+
+
+def test_fp16_workers_on_cpu_are_refused_where_they_are_placed(monkeypatch):
+    monkeypatch.setattr(preflight, "cuda_devices", lambda: 0)
+    with pytest.raises(ConfigError, match="train.precision: fp16 needs CUDA"):
+        preflight.place_workers(RunConfig().resolved({"train.precision": "fp16"}), 1, 1)
+
+
+def test_the_facts_of_a_gpu_node_and_of_weights_that_are_not_timms(monkeypatch):
+    monkeypatch.setattr("ddp_cli.data.pipeline.device_decode.torchvision.version.cuda", "12.8")
+    gpus = preflight.Workers(nproc=8, nnodes=1, backend="nccl", device="cuda", native_precision="bf16")
+    assert preflight.node_facts(RunConfig(), gpus).gpu_decode is True
+    assert preflight.node_facts(RunConfig(), CPU_WORKERS).gpu_decode is False
+    # "pretrained" names timm's weights only: for a torchvision model no cache is looked up here (the
+    # model check refuses it with its own words)
+    torchvision_named = RunConfig().resolved({"model.weights": "pretrained"})
+    assert preflight.node_facts(torchvision_named, gpus).pretrained is None
+
+
+def test_a_checkpoint_is_estimated_as_its_parameters_buffers_and_optimiser_state():
+    """checkpoint_bytes on the meta device: parameters once, buffers once, the EMA's copy of both, and
+    the optimiser's per-parameter tensors (SGD with momentum: one)."""
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.BatchNorm1d(10)).to("meta")
+    params = (10 * 10 + 10 + 10 + 10) * 4
+    buffers = (10 + 10) * 4 + 8  # running mean and var (float32), num_batches_tracked (int64)
+    plain = RunConfig().resolved({"train.ema_decay": 0, "optim.momentum": 0.0})
+    assert preflight.checkpoint_bytes(plain, model) == params + buffers
+    ema = RunConfig().resolved({"train.ema_decay": 0.99, "optim.momentum": 0.9})
+    assert preflight.checkpoint_bytes(ema, model) == 2 * (params + buffers) + params
