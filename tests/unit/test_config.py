@@ -322,3 +322,18 @@ def test_unknown_key_says_where_the_key_is_missing_and_what_a_section_holds():
     assert unknown_key("optim.lr.scale").startswith("optim.lr.scale: unknown key: optim.lr has no 'scale'")
     six = ", ".join(list(OptimConfig.model_fields)[:6])
     assert unknown_key("optim") == f"optim: a section, not a key; name one of its keys ({six})"
+
+
+def test_a_malformed_model_name_says_the_forms_it_takes():
+    with pytest.raises(ConfigError, match=r'give "package\.module:factory" or "path/to/file\.py:factory" '
+                                          r"\(relative to the run config's folder\)$"):
+        config_from_dict({"model": {"name": "a b:make"}})
+    with pytest.raises(ConfigError, match=r'give "timm/<architecture>" or "timm/<architecture>\.<pretrained '
+                                          r'tag>", e\.g\. "timm/resnet50\.a1_in1k"$'):
+        config_from_dict({"model": {"name": "timm/res net"}})
+
+
+def test_an_unresolved_first_crop_trains_at_the_full_size_until_the_ramp_is_known():
+    """A first crop given, the ramp left to the resolve pass: before the pass every epoch reads image_size
+    (nothing has run yet), and no error."""
+    assert DataConfig(image_size=32, min_image_size=16).train_size(0) == 32

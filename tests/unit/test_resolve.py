@@ -256,3 +256,16 @@ def test_the_facts_each_reach_their_key():
     assert for_inference(config_from_dict({}), "fp32", 1).data.prefetch_factor == 2  # as given: 2
     one = for_inference(config_from_dict({"data": {"prefetch_factor": "auto"}}), "fp32", 1)
     assert (one.data.workers, one.data.prefetch_factor) == (1, 4)
+
+
+def test_progressive_resizing_at_its_edges():
+    """Asked for where its first crop would be the whole image: asked, but nothing to ramp (no first crop);
+    off: the ramp written as [0, 0], as config.toml always held it; a ramp given from epoch 0: on."""
+    tiny = resolved({"data": {"image_size": 24, "progressive": True}})
+    assert (tiny.data.progressive, tiny.data.min_image_size, tiny.data.ramp_epochs) == (True, None, [0, 0])
+    off = resolved({"data": {"image_size": 112, "progressive": False}})
+    assert (off.data.progressive, off.data.ramp_epochs) == (False, [0, 0])
+    early = resolved({"data": {"image_size": 112, "ramp_epochs": [0, 8]}, "train": {"epochs": 8}})
+    assert (early.data.progressive, early.data.min_image_size, early.data.ramp_epochs) == (True, 64, [0, 8])
+    with pytest.raises(ValueError, match=r"still left to ddp: checkpoint\.best_metric, data\.decode, "):
+        require_resolved(config_from_dict({}), "the Trainer")
