@@ -237,9 +237,10 @@ def test_the_render_is_batched_a_few_operations_an_image_not_a_resize_each():
 def test_workers_decode_on_the_gpu_where_they_train_on_cuda_and_torchvision_can(monkeypatch):
     """The fact data.decode "auto" resolves from (config.resolve; test_resolve.py has the rule)."""
     monkeypatch.setattr(device_decode.torchvision.version, "cuda", "12.8")
-    assert decodes_on("cuda") and not decodes_on("cpu")
+    assert decodes_on("cuda", {}) and not decodes_on("cpu", {})
+    assert decodes_on("cpu", {device_decode.STAND_IN: "1"})  # the CPU stand-in, measured on request
     monkeypatch.setattr(device_decode.torchvision.version, "cuda", None)
-    assert not decodes_on("cuda")
+    assert not decodes_on("cuda", {})
 
 
 def test_gpu_decode_with_a_bicubic_policy_is_refused_naming_the_keys():

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -58,6 +59,7 @@ from ddp_cli.errors import DataError
 
 log = logging.getLogger("ddp")
 HOST_DATA = (torch.tensor, torch.as_tensor)
+STAND_IN = "DDP_DECODE_STAND_IN"  # "1": CPU workers measure data.decode "auto" too (`decodes_on`)
 
 
 @dataclass
@@ -139,9 +141,15 @@ def on_cpu(data: torch.Tensor, item: Deferred, device: torch.device) -> torch.Te
     return _pinned(pixels, device).to(device, non_blocking=True).permute(2, 0, 1)
 
 
-def decodes_on(device: str) -> bool:
+def decodes_on(device: str, env: Mapping[str, str] = os.environ) -> bool:
     """Whether workers on `device` (cuda | cpu) can decode their JPEGs there: on CUDA, with a torchvision
-    built with it (its CUDA builds have nvJPEG). What data.decode "auto" resolves from."""
+    built with it (its CUDA builds have nvJPEG). What data.decode "auto" resolves from: where they can,
+    the workers measure both paths. CPU workers have no device to hand the work to (the rank would decode
+    on the cores its loader processes use), so "auto" is "cpu" there without a measurement, unless
+    STAND_IN is set to 1: then the CPU stand-in of the device path counts, and "auto" is measured (the
+    tests of the measurement, and a look at it without a GPU)."""
+    if device == "cpu":
+        return env.get(STAND_IN) == "1"
     return device == "cuda" and torchvision.version.cuda is not None
 
 
