@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddp_cli.config.resolve import decode_pending
 from ddp_cli.config import AugmentConfig, RunConfig
+from ddp_cli.config.resolve import decode_pending
 from ddp_cli.data.pipeline.augment import op_names
 from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.data.pipeline.views import view_names

@@ -18,13 +18,13 @@ from ddp_cli.config.resolve import (
     Facts,
     Pretrained,
     autos,
+    decode_measured,
+    decode_pending,
     default_min_image_size,
     for_inference,
     prefetch_for,
     require_resolved,
     resolve,
-    decode_measured,
-    decode_pending,
     resume,
 )
 from ddp_cli.errors import ConfigError
