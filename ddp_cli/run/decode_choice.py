@@ -103,5 +103,6 @@ def measure(cfg: RunConfig, ctx: DistContext, entry: DatasetEntry, index: IndexT
         timings.append(time_path(loader, batches, ctx.device, cfg.model.channels_last, normalising(data)))
     seconds = torch.tensor([t.seconds for t in timings], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # once, before training: not in the step
-    rates = {path: t.images / max(s, 1e-9) for path, t, s in zip(PATHS, timings, seconds.tolist(), strict=True)}
+    slowest = seconds.tolist()
+    rates = {path: t.images / max(s, 1e-9) for path, t, s in zip(PATHS, timings, slowest, strict=True)}
     return DecodeProbe(rates, time.perf_counter() - start)

@@ -127,8 +127,8 @@ def test_auto_decode_is_measured_recorded_and_a_stopped_run_resumes_on_its_path_
                   str(run_dir), *EXACT, *EVERYTHING, "--set", "train.epochs=2",
                   env={**SIGTERM_AFTER_STEP_6, **STAND_IN})
     assert run.wait(timeout=120) == 143, run.stderr
-    measured = re.search(r'data.decode "auto": "(cpu|gpu)" \(measured: cpu ([\d,]+) img/s, gpu ([\d,]+) img/s '
-                         r"per rank; ([\d.]+) s spent measuring\)", run.stderr)
+    measured = re.search(r'data.decode "auto": "(cpu|gpu)" \(measured: cpu ([\d,]+) img/s, '
+                         r"gpu ([\d,]+) img/s per rank; ([\d.]+) s spent measuring\)", run.stderr)
     assert measured, run.stderr
     choice = measured[1]
     assert tomllib.loads((run_dir / "config.toml").read_text())["data"]["decode"] == choice

@@ -102,8 +102,8 @@ def padded_crops(images: list[torch.Tensor], boxes: list[Box], height: int, widt
     device = images[0].device
     flat = torch.cat([_memory(image) for image in images])
     starts = accumulate([image.numel() for image in images[:-1]], initial=0)
-    table = host_tensor([[start, *_steps(image), top, left, h, w]
-                         for start, image, (top, left, h, w) in zip(starts, images, boxes, strict=True)], device)
+    table = host_tensor([[start, *_steps(image), *box]
+                         for start, image, box in zip(starts, images, boxes, strict=True)], device)
     start, channel_step, row_step, column_step, top, left, h, w = (table[:, k].view(-1, 1, 1, 1)
                                                                     for k in range(8))
     y = torch.arange(height, device=device).view(1, 1, -1, 1)
