@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_cli.config import AugmentConfig, RunConfig
+from ddp_cli.config.resolve import decode_pending
 from ddp_cli.data.pipeline.augment import op_names
 from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.data.pipeline.views import view_names
@@ -77,6 +78,9 @@ def augmentation(cfg: RunConfig) -> list[str]:
     flip = ["RandomHorizontalFlip"] if data.hflip else []
     decode = ['decode_jpeg on the device (data.decode = "gpu"): the loaders read and draw, the ops below '
               "run on the device"] if data.decode == "gpu" else []
+    if decode_pending(cfg):
+        decode = ['data.decode = "auto": the workers time both decode paths on the first batches and keep '
+                  "the faster (config.toml records it)"]
     return [*sampler, *decode, crop, *flip, *op_names(aug), normalize(cfg), *mixing(aug)]
 
 

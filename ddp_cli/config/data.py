@@ -40,10 +40,12 @@ class DataConfig(Section):
         '(at the JPEG\'s reduced DCT scale where the crop is shrunk). "gpu": the loader processes read the '
         "files and draw every random parameter as on cpu, and each worker decodes its batch on its own "
         "device (nvJPEG, batched) and crops, resizes, flips and augments it there; other images (CMYK, "
-        'PNG) are decoded in the loaders as on cpu. auto: "gpu" when the workers train on CUDA and '
-        "torchvision was built with it (and augment.interpolation is bilinear or no policy is set: v2's "
-        'tensor kernels do not rotate bicubic), else "cpu". Validation decodes on the CPU either way '
-        '(docs: "Performance", "Decoding on the GPU").',
+        'PNG) are decoded in the loaders as on cpu. auto: where both paths can run (the workers train '
+        "on CUDA, torchvision was built with it, and augment.interpolation is bilinear or no policy is "
+        "set: v2's tensor kernels do not rotate bicubic), the workers time both on the run's first train "
+        "batches and keep the faster (config.toml records it, the log gives the figures, a resume keeps "
+        'it); else "cpu". A run that must repeat bit for bit on another machine names a path. '
+        'Validation decodes on the CPU either way (docs: "Performance", "Decoding on the GPU").',
     )
     on_bad_image: Literal["error", "skip"] = Field(
         "error", description='"error": stop every rank (exit 3) naming the file; '

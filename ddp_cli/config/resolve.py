@@ -6,8 +6,10 @@ measured loader processes, a timm model's pretrained data config) and returns th
 the run uses and writes out as its run dir's config.toml. Nothing else fills these keys:
 
 - `train.precision` "auto": bf16 where the device computes it natively, else fp32;
-- `data.decode` "auto": "gpu" where the workers train on CUDA with an nvJPEG torchvision (and the
-  augment policy replays there), else "cpu";
+- `data.decode` "auto": "cpu" where the rank cannot decode on its device (no nvJPEG torchvision, or
+  an augment policy that does not replay there); where it can, left "auto" for the workers to measure
+  both paths on the run's own data (`decode_measured` makes their choice concrete; a resume keeps
+  the checkpoint's, `resume`);
 - `data.workers` / `data.prefetch_factor` "auto": the measured rule (`data.pipeline.autotune`);
 - `data.progressive`, `data.min_image_size`, `data.ramp_epochs` unset: the default recipe's
   progressive resizing (`progressive_defaults`);
@@ -62,7 +64,7 @@ class Facts:
     world_size: int = 1
     steps_per_epoch: int = 1  # a rank's optimisation steps per epoch
     takes_any_size: bool = True  # the model family: may ddp vary its input size (progressive resizing)
-    gpu_decode: bool = False  # this torchvision decodes JPEGs on the workers' device (nvJPEG)
+    gpu_decode: bool = False  # the rank can decode JPEGs on the workers' device (nvJPEG, or the CPU stand-in)
     loader_workers: int = 0  # data.workers "auto": what the measured rule chose
     pretrained: Pretrained | None = None
     weights_file: str | None = None  # model.weights as an absolute path, where it names a file
@@ -72,6 +74,11 @@ def autos(cfg: RunConfig) -> set[str]:
     """The keys of `cfg` still left to ddp: "auto" values and unset derived keys."""
     return ({key for key in AUTO_KEYS if cfg.value(key) == "auto"}
             | {key for key in DERIVED_KEYS if cfg.value(key) is None})
+
+
+def decode_pending(cfg: RunConfig) -> bool:
+    """Whether the workers still have to measure data.decode (the resolve pass left it "auto")."""
+    return cfg.data.decode == "auto"
 
 
 def require_resolved(cfg: RunConfig, user: str) -> None:
@@ -94,8 +101,8 @@ def resolve(cfg: RunConfig, facts: Facts) -> RunConfig:
         changes["data.val_resize"] = round((data.val_image_size or data.image_size) / VAL_CROP_SHARE)
     if cfg.train.precision == "auto":
         changes["train.precision"] = facts.native_precision
-    if cfg.data.decode == "auto":
-        changes["data.decode"] = "gpu" if facts.gpu_decode and not cfg.augment.bicubic_policy() else "cpu"
+    if cfg.data.decode == "auto" and (not facts.gpu_decode or cfg.augment.bicubic_policy()):
+        changes["data.decode"] = "cpu"  # one path only: nothing to measure
     workers = facts.loader_workers if cfg.data.workers == "auto" else cfg.data.workers
     changes["data.workers"] = workers
     if cfg.data.prefetch_factor == "auto":
@@ -108,10 +115,22 @@ def resolve(cfg: RunConfig, facts: Facts) -> RunConfig:
     return cfg.resolved(changes)
 
 
+def decode_measured(cfg: RunConfig, choice: str) -> RunConfig:
+    """`cfg` with the data.decode its workers measured faster ("cpu" | "gpu": `run.decode_choice`), or
+    the one the checkpoint it resumes from trained with (`resume`)."""
+    if choice not in ("cpu", "gpu"):
+        raise ValueError(f"data.decode: a measured choice is cpu or gpu, not {choice!r}")
+    return cfg.resolved({"data.decode": choice}) if decode_pending(cfg) else cfg
+
+
 def resume(cfg: RunConfig, trained: RunConfig) -> RunConfig:
-    """The resolved `cfg` of a run resumed from a checkpoint trained with `trained`: a run that trained
-    without recomputing its EMA's BatchNorm statistics (`train.ema_bn_epochs = 0`, which `migrate`
-    gives a checkpoint from before the key) goes on without, so it resumes to the same weights."""
+    """The resolved `cfg` of a run resumed from a checkpoint trained with `trained`, changed where it
+    must go on as it trained, so that it resumes to the same weights: a data.decode left to measure
+    takes the path the checkpoint trained with (no measurement: its pixels are the path's), and a
+    run that trained without recomputing its EMA's BatchNorm statistics (`train.ema_bn_epochs = 0`,
+    which `migrate` gives a checkpoint from before the key) goes on without."""
+    if decode_pending(cfg) and not decode_pending(trained):
+        cfg = decode_measured(cfg, trained.data.decode)
     if trained.train.ema_bn_epochs == 0 and cfg.train.ema_bn_epochs != 0:
         return cfg.resolved({"train.ema_bn_epochs": 0})
     return cfg

@@ -32,6 +32,7 @@ from ddp_cli.observe.report import plot
 from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.run.bucket import RunBucket
+from ddp_cli.run.decode_choice import decode_path
 from ddp_cli.run.jobs import Job
 from ddp_cli.run.mirror import BucketMirror
 from ddp_cli.sweep.pruning import epoch_gate
@@ -168,8 +169,10 @@ def train(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
     with --quiet/--json: a run that did not start fresh must say so). A run that has trained every epoch
     asked ends here, training nothing: None, its result.json left as it was (where it has none, one is
     written: the run's figures, no throughput)."""
-    trainer = build_trainer(cfg, ctx, folder, entry, index, job, startup, writes)
     checkpoint = resume_point(job, folder, ctx)
+    cfg = decode_path(cfg, ctx, folder, entry, index, checkpoint, writes)  # data.decode "auto": measured
+    startup.mark("decode")
+    trainer = build_trainer(cfg, ctx, folder, entry, index, job, startup, writes)
     resumed = trainer.resume(checkpoint) if checkpoint else None
     if resumed and ctx.is_main:
         log.info(resumed.line())

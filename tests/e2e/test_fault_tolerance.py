@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import time
 import tomllib
@@ -110,6 +111,35 @@ def test_sigterm_with_gpu_decode_checkpoints_then_resume_ends_bit_identical(demo
     assert run.wait(timeout=120) == 143, run.stderr
     assert "step-" in CheckpointStore(run_dir / "checkpoints", 1).latest_valid().name
     resumed = last_json(train(demo_registry, run_dir, *EVERYTHING, *GPU_DECODE, "--set", "train.epochs=2"))
+    assert_bit_identical(resumed, reference, run_dir, reference_dir)
+
+
+STAND_IN = {"DDP_DECODE_STAND_IN": "1"}  # CPU workers measure data.decode "auto" (device_decode.decodes_on)
+
+
+def test_auto_decode_is_measured_recorded_and_a_stopped_run_resumes_on_its_path_bit_identical(
+        demo_registry, tmp_path):
+    """data.decode "auto" on the CPU stand-in: the workers time both paths and keep the faster; the run
+    dir's config.toml holds the choice and the log the figures. Stopped by SIGTERM, the run resumes on
+    the checkpoint's path (no new measurement) and ends where an unbroken run on that path ends."""
+    run_dir = tmp_path / "run"
+    run = LiveRun("train", "configs/demo.toml", "--registry", str(demo_registry), "--run-dir",
+                  str(run_dir), *EXACT, *EVERYTHING, "--set", "train.epochs=2",
+                  env={**SIGTERM_AFTER_STEP_6, **STAND_IN})
+    assert run.wait(timeout=120) == 143, run.stderr
+    measured = re.search(r'data.decode "auto": "(cpu|gpu)" \(measured: cpu ([\d,]+) img/s, '
+                         r"gpu ([\d,]+) img/s per rank; ([\d.]+) s spent measuring\)", run.stderr)
+    assert measured, run.stderr
+    choice = measured[1]
+    assert tomllib.loads((run_dir / "config.toml").read_text())["data"]["decode"] == choice
+    resumed_out = train(demo_registry, run_dir, *EVERYTHING, "--set", "train.epochs=2", env=STAND_IN)
+    resumed = last_json(resumed_out)
+    assert f'data.decode "auto": "{choice}", as the checkpoint trained' in resumed_out.stderr
+    assert "measured:" not in resumed_out.stderr
+    assert tomllib.loads((run_dir / "config.toml").read_text())["data"]["decode"] == choice
+    reference_dir = tmp_path / "reference"
+    reference = last_json(train(demo_registry, reference_dir, *EVERYTHING, "--set", "train.epochs=2",
+                                "--set", f'data.decode="{choice}"'))
     assert_bit_identical(resumed, reference, run_dir, reference_dir)
 
 

@@ -18,6 +18,8 @@ from ddp_cli.config.resolve import (
     Facts,
     Pretrained,
     autos,
+    decode_measured,
+    decode_pending,
     default_min_image_size,
     for_inference,
     prefetch_for,
@@ -130,7 +132,8 @@ def test_the_device_decides_precision_decode_and_the_loaders_as_the_facts_say():
     gpu = resolved({"data": {"prefetch_factor": "auto"}}, device="cuda", native_precision="bf16",
                    gpu_decode=True, loader_workers=1)
     assert (gpu.train.precision, gpu.data.decode, gpu.data.workers, gpu.data.prefetch_factor) == (
-        "bf16", "gpu", 1, 4)
+        "bf16", "auto", 1, 4)  # both paths run: left to the workers' measurement
+    assert autos(gpu) == {"data.decode"} and decode_pending(gpu)
     bicubic = {"augment": {"policy": "randaugment", "interpolation": "bicubic"}}
     assert resolved(bicubic, gpu_decode=True).data.decode == "cpu"  # v2's tensor kernels rotate bilinear
     given = {"train": {"precision": "fp32"}, "data": {"decode": "cpu", "workers": 0}}
@@ -160,6 +163,24 @@ def test_a_resume_keeps_a_run_that_trained_without_recomputing_its_ema_statistic
     assert cfg.train.ema_bn_epochs == 4
     assert resume(cfg, config_from_dict({"train": {"ema_bn_epochs": 0}})).train.ema_bn_epochs == 0
     assert resume(cfg, config_from_dict({"train": {"ema_bn_epochs": 2}})) is cfg  # it had them: as resolved
+
+
+def test_the_workers_measurement_makes_decode_concrete_and_a_resume_keeps_the_checkpoints_path():
+    """data.decode left "auto" (both paths can run) takes what the workers measured; a resume takes the
+    path its checkpoint trained with, measuring nothing; "cpu" and "gpu" given are never changed."""
+    pending = resolved({}, gpu_decode=True)
+    with pytest.raises(ValueError, match=r"the Trainer needs a resolved config .*data\.decode"):
+        require_resolved(pending, "the Trainer")
+    measured = decode_measured(pending, "gpu")
+    assert measured.data.decode == "gpu" and autos(measured) == set()
+    with pytest.raises(ValueError, match="cpu or gpu"):
+        decode_measured(pending, "auto")
+    forced = resolved({"data": {"decode": "cpu"}}, gpu_decode=True)
+    assert decode_measured(forced, "gpu") is forced  # a path given is the user's
+    trained = config_from_dict({"data": {"decode": "gpu"}})
+    assert resume(pending, trained).data.decode == "gpu"
+    assert resume(forced, trained) is forced
+    assert decode_pending(resume(pending, config_from_dict({})))  # a checkpoint left it to measure
 
 
 def test_inference_resolves_a_checkpoints_precision_and_loaders_on_this_machine():

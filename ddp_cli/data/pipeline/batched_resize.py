@@ -6,8 +6,8 @@ the output's, and likewise for columns. So a crop resized is `Wy @ crop @ Wx^T`,
 zero-padded to the largest, is two batched matrix products, with every image's weights built at once from
 its crop's lengths (and a flip is `Wx` read backwards). Rendered image by image, the same work was some ten
 kernels an image, launched from Python, enough host time a batch to rival the GPU step it has to hide
-behind. Here it is one copy an
-image (into the padded batch) and a dozen kernels a batch. The weights are torch's own (`upsample_*_aa`:
+behind. Here it is one gather of every crop from the images' memory (`padded_crops`) and a dozen
+kernels a batch, whatever its size. The weights are torch's own (`upsample_*_aa`:
 the filter widened by the downscale, cut at the crop's edges and normalised), so the pixels are
 `crop_resize(..., in_float=True)`'s up to float rounding.
 """
@@ -15,6 +15,7 @@ the filter widened by the downscale, cut at the crop's edges and normalised), so
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import torch
 
@@ -83,15 +84,50 @@ def _resized(images: list[torch.Tensor], boxes: list[Box], flips: list[bool], si
              mode: str) -> torch.Tensor:
     device = images[0].device
     height, width = max(h for _, _, h, _ in boxes), max(w for _, _, _, w in boxes)
-    crops = torch.zeros((len(images), 3, height, width), dtype=torch.float32, device=device)
-    for crop, image, (top, left, h, w) in zip(crops, images, boxes, strict=True):
-        crop[:, :h, :w].copy_(image[:, top:top + h, left:left + w])
+    crops = padded_crops(images, boxes, height, width)
     lengths = host_tensor([[h, w] for _, _, h, w in boxes], device)
     across = resize_weights(lengths[:, 1], size, width, mode)
     across = torch.where(host_tensor(flips, device).view(-1, 1, 1), across.flip(1), across)
     rows = torch.matmul(resize_weights(lengths[:, 0], size, height, mode).unsqueeze(1), crops)
     out = torch.matmul(rows, across.transpose(1, 2).unsqueeze(1))
     return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def padded_crops(images: list[torch.Tensor], boxes: list[Box], height: int, width: int) -> torch.Tensor:
+    """N x 3 x height x width float: each CHW uint8 image's box at the top left, zeros around it. One
+    gather for the batch: the images' memory end to end (one cat of views: a decoder's CHW or HWC
+    layout, whichever it wrote, is read as it lies), and every output pixel's source position computed
+    on the device from each image's sizes, layout and box (one copy of 8 numbers an image), so the
+    launches do not grow with the batch."""
+    device = images[0].device
+    flat = torch.cat([_memory(image) for image in images])
+    starts = accumulate([image.numel() for image in images[:-1]], initial=0)
+    table = host_tensor([[start, *_steps(image), *box]
+                         for start, image, box in zip(starts, images, boxes, strict=True)], device)
+    start, channel_step, row_step, column_step, top, left, h, w = (table[:, k].view(-1, 1, 1, 1)
+                                                                    for k in range(8))
+    y = torch.arange(height, device=device).view(1, 1, -1, 1)
+    x = torch.arange(width, device=device).view(1, 1, 1, -1)
+    channel = torch.arange(3, device=device).view(1, -1, 1, 1)
+    source = (start + channel * channel_step + (top + y.minimum(h - 1)) * row_step
+              + (left + x.minimum(w - 1)) * column_step)
+    return flat.take(source).to(torch.float32).mul_((y < h) & (x < w))
+
+
+def _memory(image: torch.Tensor) -> torch.Tensor:
+    """A CHW image's memory as one flat view where it is CHW- or HWC-contiguous (decoders write either),
+    else a copy."""
+    if image.permute(1, 2, 0).is_contiguous():
+        return image.permute(1, 2, 0).reshape(-1)
+    return image.reshape(-1)
+
+
+def _steps(image: torch.Tensor) -> tuple[int, int, int]:
+    """(channel, row, column) strides of `image` in `_memory`'s flat view."""
+    _, height, width = image.shape
+    if image.permute(1, 2, 0).is_contiguous():
+        return 1, 3 * width, 3
+    return height * width, width, 1
 
 
 def host_tensor(values: list, device: torch.device) -> torch.Tensor:

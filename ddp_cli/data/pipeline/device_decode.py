@@ -12,8 +12,10 @@ On the rank, `DeferredBatch.to(device)` (what the trainer calls on a batch's
 images) decodes the JPEGs in one batched call (torchvision.io.decode_jpeg: nvJPEG
 on a GPU, libjpeg-turbo on a CPU), then crops, resizes and flips the batch's
 images together (`batched_resize`: two batched matrix products in float, torch's
-antialiased filters, rounded back to uint8 as the CPU path's), and replays each
-image's augmentation steps through v2's tensor kernels (`augment.replay`); the
+antialiased filters, rounded back to uint8 as the CPU path's), and replays the
+augmentation steps through v2's tensor kernels (`augment.replay`), the images that
+share a call together (`replay_grouped`): the launches a batch do not grow with
+it (tests/unit/test_device_decode counts them at 64 and 256 images); the
 normalisation is the batch's, as for every batch (`to_model_input`). Nothing is
 read back to the host: the two places where torchvision's tensor kernels would
 wait for the device (a tensor made from Python numbers on it, a boolean-mask
@@ -40,7 +42,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -58,6 +61,7 @@ from ddp_cli.errors import DataError
 
 log = logging.getLogger("ddp")
 HOST_DATA = (torch.tensor, torch.as_tensor)
+STAND_IN = "DDP_DECODE_STAND_IN"  # "1": CPU workers measure data.decode "auto" too (`decodes_on`)
 
 
 @dataclass
@@ -120,10 +124,39 @@ def render(out: torch.Tensor, images: list[Decoded], device: torch.device) -> No
         resized = resize_crops([image.chw for image in these], boxes, flips, out.shape[1], mode)
         out.index_copy_(0, host_tensor([image.row for image in these], device), resized)
     with queued(device):
-        for image in (image for image in images if image.item.plan.steps):
-            on_image, on_tensor = image.item.plan.steps
-            chw = replay(out[image.row].permute(2, 0, 1), on_image + on_tensor, device)
-            out[image.row] = chw.permute(1, 2, 0)
+        replay_grouped(out, [(image.row, sum(image.item.plan.steps, [])) for image in images
+                             if image.item.plan.steps], device)
+
+
+def replay_grouped(out: torch.Tensor, planned: list[tuple[int, list]], device: torch.device) -> None:
+    """Each row's augmentation steps on `out` (N x S x S x C), a step position at a time, the rows whose
+    step there is the same call (functional and arguments) replayed together as one batch: the launches
+    are a few per distinct call, not per image. A policy's calls come from a fixed table (RandAugment at
+    its magnitude: 14 ops, some signed; TrivialAugmentWide: 31 magnitudes an op), so their number is
+    bounded whatever the batch; a continuous draw (colour jitter's factors, erasing's box) is a call of
+    its own per image."""
+    for position in range(max((len(steps) for _, steps in planned), default=0)):
+        groups: dict[Any, tuple[Any, list[int]]] = {}
+        for row, steps in planned:
+            if position < len(steps):
+                functional, kwargs = steps[position]
+                groups.setdefault(_call_key(functional, kwargs), (steps[position], []))[1].append(row)
+        for step, rows in groups.values():
+            index = host_tensor(rows, device)
+            chw = replay(out.index_select(0, index).permute(0, 3, 1, 2), [step], device)
+            out.index_copy_(0, index, chw.permute(0, 2, 3, 1))
+
+
+def _call_key(functional: Any, kwargs: dict[str, Any]) -> Any:
+    """What makes two recorded calls the same: the functional and its arguments (a tensor argument, as
+    erasing's values, by identity: each image's own)."""
+    def frozen(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", id(value))
+        if isinstance(value, list | tuple):
+            return tuple(frozen(v) for v in value)
+        return value
+    return functional, tuple(sorted((k, frozen(v)) for k, v in kwargs.items()))
 
 
 def on_cpu(data: torch.Tensor, item: Deferred, device: torch.device) -> torch.Tensor | None:
@@ -139,9 +172,15 @@ def on_cpu(data: torch.Tensor, item: Deferred, device: torch.device) -> torch.Te
     return _pinned(pixels, device).to(device, non_blocking=True).permute(2, 0, 1)
 
 
-def decodes_on(device: str) -> bool:
+def decodes_on(device: str, env: Mapping[str, str] = os.environ) -> bool:
     """Whether workers on `device` (cuda | cpu) can decode their JPEGs there: on CUDA, with a torchvision
-    built with it (its CUDA builds have nvJPEG). What data.decode "auto" resolves from."""
+    built with it (its CUDA builds have nvJPEG). What data.decode "auto" resolves from: where they can,
+    the workers measure both paths. CPU workers have no device to hand the work to (the rank would decode
+    on the cores its loader processes use), so "auto" is "cpu" there without a measurement, unless
+    STAND_IN is set to 1: then the CPU stand-in of the device path counts, and "auto" is measured (the
+    tests of the measurement, and a look at it without a GPU)."""
+    if device == "cpu":
+        return env.get(STAND_IN) == "1"
     return device == "cuda" and torchvision.version.cuda is not None
 
 
