@@ -1,6 +1,6 @@
 """Model FLOPs utilisation: the share of the devices' peak a run's model arithmetic used.
 
-MFU = images/s x FLOPs per image (forward and backward, at the epoch's train crop: models/flops.py)
+MFU = images/s x FLOPs per image (forward and backward, at the epoch's train crop: ddp_cli/flops.py)
 / (peak FLOP/s of one device at the run's precision x world size). Only the model's own FLOPs count
 (not the optimizer's, the data pipeline's or recomputation), so it compares runs and machines alike.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddp_cli.models.flops import flops_per_image
+from ddp_cli.flops import flops_per_image
 
 log = logging.getLogger("ddp")
 

@@ -13,7 +13,6 @@ tar shards, Parquet).
 
 from __future__ import annotations
 
-import base64
 import csv
 import html
 import io
@@ -24,7 +23,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ddp_cli.errors import require_extra
 from ddp_cli.observe import classes
@@ -35,7 +34,7 @@ from ddp_cli.userfiles import parse_toml, read_text
 log = logging.getLogger("ddp")
 
 PAIRS, PER_PAIR, CONFIDENT = 12, 8, 16  # the gallery: most frequent pairs, images per pair, top mistakes
-THUMB = 96  # thumbnail side, pixels
+
 PREDICTIONS_HEADER = ("path", "label", "synset", "top1_index", "top1_synset", "top1_probability")
 NOT_YET = "not yet"
 
@@ -319,51 +318,16 @@ def read_mistakes(path: Path, names: Callable[[int], str]) -> tuple[int, list[di
     return total, wrong
 
 
-class Thumbnails:
-    """Val images as small base64 JPEGs, read from the data set the run trained on (dataset.json) by the
-    rows of its index (index/); `None` for one it cannot read (why: `problem`)."""
+class Pictures(Protocol):
+    """The val images as small base64 JPEGs by their path (`data.thumbnails.Thumbnails`): `None` for one
+    it cannot read, and `problem` saying why none can be."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.reader = self.split = self.prefix = None
-        self.rows: dict[str, int] = {}
-        self.problem = ""
-        try:
-            from ddp_cli.data.pipeline.loaders import open_reader
-            from ddp_cli.data.registry import DatasetEntry
-            from ddp_cli.data.sources.table import IndexTable
+    problem: str
 
-            entry = DatasetEntry.model_validate_json((run_dir / "dataset.json").read_text())
-            index = IndexTable.load(run_dir / "index")
-            self.split = index.splits["val"]
-            fs, root = entry.open()
-            self.reader = open_reader(fs, root, self.split)
-            self.prefix = entry.storage.path.rstrip("/") + "/"
-            self.rows = {self.split.paths[i]: i for i in range(len(self.split))}
-        except Exception as e:  # noqa: BLE001 (the page is made anyway, without pictures)
-            self.problem = f"{type(e).__name__}: {e}"
-
-    def __call__(self, path: str) -> str | None:
-        if self.reader is None:
-            return None
-        from PIL import Image
-
-        from ddp_cli.data.pipeline.loaders import read_row
-
-        row = self.rows.get(path.removeprefix(self.prefix or ""))
-        if row is None:
-            return None
-        try:
-            with Image.open(io.BytesIO(read_row(self.reader, self.split, row).data)) as image:
-                image = image.convert("RGB")
-                image.thumbnail((THUMB, THUMB))
-                out = io.BytesIO()
-                image.save(out, "JPEG", quality=85)
-        except Exception:  # noqa: BLE001 (a bad image: shown without its picture)
-            return None
-        return base64.b64encode(out.getvalue()).decode()
+    def __call__(self, path: str) -> str | None: ...
 
 
-def thumb(mistake: dict[str, Any], pictures: Thumbnails, caption: str) -> str:
+def thumb(mistake: dict[str, Any], pictures: Pictures, caption: str) -> str:
     data = pictures(mistake["path"])
     image = f'<img alt="{esc(mistake["path"])}" src="data:image/jpeg;base64,{data}">' if data else \
         '<div class="note">(unreadable)</div>'
@@ -371,7 +335,8 @@ def thumb(mistake: dict[str, Any], pictures: Thumbnails, caption: str) -> str:
             "</figcaption></figure>")
 
 
-def mistakes(run_dir: Path, predictions: Path | None, evaluation: dict[str, Any] | None) -> str:
+def mistakes(run_dir: Path, predictions: Path | None, evaluation: dict[str, Any] | None,
+             pictures: Pictures) -> str:
     title = "Images the model gets wrong"
     path = predictions or find_predictions(run_dir)
     if path is None:
@@ -385,7 +350,6 @@ def mistakes(run_dir: Path, predictions: Path | None, evaluation: dict[str, Any]
         return classes.short_name(c) if c else str(index)
 
     total, wrong = read_mistakes(path, names)
-    pictures = Thumbnails(run_dir)
     pairs = Counter((m["true"], m["predicted"]) for m in wrong)
     body = (f"<p>{len(wrong)} of {total} images wrong in {esc(path.name)} (top-1 "
             f"{1 - len(wrong) / max(total, 1):.2%}).</p>")
@@ -407,15 +371,16 @@ def mistakes(run_dir: Path, predictions: Path | None, evaluation: dict[str, Any]
 # -- the page --------------------------------------------------------------------------------------
 
 
-def page(run_dir: Path, predictions: Path | None = None, summary: dict[str, Any] | None = None) -> str:
-    """The whole page as one string."""
+def page(run_dir: Path, pictures: Pictures, predictions: Path | None = None,
+         summary: dict[str, Any] | None = None) -> str:
+    """The whole page as one string; `pictures` shows the mistakes' images."""
     require_extra("report", "ddp report's page")
     summary = summary or summarize(run_dir)
     load_records(run_dir)  # no metrics.jsonl: the one-line error of `ddp report`
     records = read_metrics(run_dir / "metrics.jsonl")
     evaluation = classes.latest_evaluation(run_dir)
     parts = [glance(run_dir, summary, records), curves(records), startup(records), per_class(evaluation),
-             mistakes(run_dir, predictions, evaluation)]
+             mistakes(run_dir, predictions, evaluation, pictures)]
     embedded = json.dumps(summary).replace("</", "<\\/")  # the JSON's numbers, for a script or a test
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>ddp report: {esc(run_dir.name)}</title><style>{STYLE}</style></head><body>"

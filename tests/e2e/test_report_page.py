@@ -17,6 +17,7 @@ from statistics import median
 import pytest
 from PIL import Image
 
+from ddp_cli.data.thumbnails import Thumbnails
 from ddp_cli.observe.page import page
 from ddp_cli.observe.report import summarize
 
@@ -98,7 +99,7 @@ def test_mid_run_shows_what_exists(demo_page, tmp_path: Path):
     rows = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if json.loads(line)["split"] == "train"][:2]
     (early / "metrics.jsonl").write_text("\n".join(rows) + "\n")
-    html = page(early)
+    html = page(early, Thumbnails(early))
     for key in SECTIONS:
         assert f'<section id="{key}">' in html
     for key in ("startup", "classes", "mistakes"):
@@ -111,4 +112,4 @@ def test_no_metrics_is_the_reports_error(tmp_path: Path):
     from ddp_cli.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no metrics.jsonl"):
-        page(tmp_path)
+        page(tmp_path, Thumbnails(tmp_path))

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ddp_cli"
 LAYERS: list[tuple[str, ...]] = [
     # the foundations, at the package's top
     ("ddp_cli", "ddp_cli.errors", "ddp_cli.fastexit"),
-    ("ddp_cli.io", "ddp_cli.userfiles"),
+    ("ddp_cli.io", "ddp_cli.userfiles", "ddp_cli.flops"),
     # the run config: its sections, the syntax of a model's name, loading, and the one resolve pass (from
     # facts handed in: it imports nothing of the layers above)
     ("ddp_cli.config",),
@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ddp_cli.data.pack", "ddp_cli.distributed", "ddp_cli.models", "ddp_cli.observe"),
     # data/'s top: the registry (data.toml) and the run's index build, above the rooms that never read it
     ("ddp_cli.data.registry",),
-    ("ddp_cli.data.index_build",),
+    ("ddp_cli.data.index_build", "ddp_cli.data.thumbnails"),
     # a sweep's space (read against the run config) and its study's storage
     ("ddp_cli.sweep.space", "ddp_cli.sweep.storage"),
     ("ddp_cli.train",),

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ddp_cli.config import ModelConfig
+from ddp_cli.flops import flops_per_image
 from ddp_cli.models.check import tensors_on_meta
-from ddp_cli.models.flops import flops_per_image
 from ddp_cli.models.zoo import build_model
 from ddp_cli.observe import mfu
 from ddp_cli.observe.mfu import Peak, Utilisation, cpu_peak, gpu_peak, measure

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_cli.cli.commands.run_dirs import run_location
+from ddp_cli.data.thumbnails import Thumbnails
 from ddp_cli.errors import DataError
 from ddp_cli.io import write_text, writing
 from ddp_cli.observe import classes
@@ -30,7 +31,7 @@ def report(run_dir: Path, out: Path | None, html: Path | None = None,
     summary["classes_plot"] = str(drawn) if drawn else None
     if html:
         numbers = {k: v for k, v in summary.items() if k not in ("plot", "classes_plot")}
-        text = page(run_dir, predictions, numbers)
+        text = page(run_dir, Thumbnails(run_dir), predictions, numbers)
         with writing(html):
             write_text(html, text)
         summary["html"] = str(html)

@@ -16,7 +16,7 @@ the ranks of the node).
   of the cores, ceil(C * D / (D + M)), at most C - 1, and none at all unless
   that gain, D (C - 1) / (C D + M), reaches 10%. M is the model's forward
   and backward FLOPs at the train crop (counted on the meta device:
-  models/flops.py), over one core's measured matmul rate.
+  ddp_cli/flops.py), over one core's measured matmul rate.
 
 Prefetch ("auto"): at least torch's 2 batches per loader process, and 4 batches
 queued per rank in all, so one slow batch does not stall the step
@@ -42,7 +42,7 @@ from ddp_cli.data.pipeline.images import BadImage
 from ddp_cli.data.pipeline.loaders import open_reader, read_row
 from ddp_cli.data.pipeline.transforms import ValTransform
 from ddp_cli.data.sources.packed import Split
-from ddp_cli.models.flops import flops_per_image
+from ddp_cli.flops import flops_per_image
 
 MIN_GAIN = 0.10  # loader processes on CPU only when they would speed a step up this much
 SAMPLES = 8  # images decoded to measure D (after one to warm up)
