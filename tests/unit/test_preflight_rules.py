@@ -175,9 +175,11 @@ def test_a_run_dir_nobody_can_write_in_is_exit_6_naming_the_flag(tmp_path, monke
     folder = tmp_path / "runs"
     folder.mkdir(mode=0o555)
     real = os.access
-    monkeypatch.setattr(preflight.os, "access", lambda path, mode: path != folder and real(path, mode))
+    monkeypatch.setattr(preflight.os, "access",  # the folder refuses writes, not a look
+                        lambda path, mode: not (path == folder and mode & os.W_OK) and real(path, mode))
     flags = os.ST_RDONLY if read_only else 0
-    monkeypatch.setattr(preflight.os, "statvfs", lambda path: SimpleNamespace(f_flag=flags))
+    monkeypatch.setattr(preflight.os, "statvfs", lambda path: SimpleNamespace(f_flag=flags if path == folder
+                                                                               else 1 / 0))
     with pytest.raises(WriteError) as refused:
         preflight.check_run_dir(preflight.RunDir(folder / "demo", "checkpoint.dir"))
     who = owner(folder.stat().st_uid)
