@@ -289,3 +289,21 @@ def demo_page(trained_demo: Path, tmp_path_factory) -> tuple[Path, Path, dict]:
                       "--predictions", str(run_dir / "predictions.csv"), "--json"))
     page = run_dir.parent / "demo.html"
     return page, run_dir, last_json(ddp_in_process("report", str(run_dir), "--html", str(page), "--json"))
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-process gloo group for a Trainer built in-process; the signal handlers a StopRequest
+    installs put back afterwards."""
+    import signal
+
+    import torch.distributed as dist
+
+    from ddp_cli.distributed.signals import CODES
+
+    handlers = {sig: signal.getsignal(sig) for sig in CODES}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)

@@ -19,7 +19,7 @@ from torch import nn
 from ddp_cli.data.pipeline.loaders import Batch, Loaders
 from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.distributed.setup import DistContext, seed_everything
-from ddp_cli.distributed.signals import CODES, StopRequest
+from ddp_cli.distributed.signals import StopRequest
 from ddp_cli.errors import ConfigError, DataError, DdpError, WriteError
 from ddp_cli.io import writing
 from ddp_cli.models import build_model
@@ -384,19 +384,8 @@ def stopped_run(tmp_path: Path, monkeypatch, after_step: int) -> tuple[pytest.Ex
     return stopped, store
 
 
-@pytest.fixture
-def one_rank_with_signals():
-    """A one-process gloo group; the signal handlers a StopRequest installs put back afterwards."""
-    handlers = {sig: signal.getsignal(sig) for sig in CODES}
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-
-
 @pytest.mark.parametrize("after_step", [1, 3])  # in the first epoch (none saved before it), and the second
-def test_an_agreed_stop_saves_the_step_it_stops_after_before_the_run_ends(one_rank_with_signals, tmp_path,
+def test_an_agreed_stop_saves_the_step_it_stops_after_before_the_run_ends(one_process_group, tmp_path,
                                                                           monkeypatch, after_step):
     stopped, store = stopped_run(tmp_path, monkeypatch, after_step)
     assert stopped.value.exit_code == 143

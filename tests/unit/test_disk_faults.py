@@ -331,7 +331,8 @@ def test_preflight_warns_when_the_run_dirs_disk_has_less_room_than_the_checkpoin
     model = nn.Linear(1000, 250, device="meta")  # 1 MB of weights, 1 MB momentum
     run_dir = preflight.RunDir(tmp_path / "run", "checkpoint.dir")
     for free, warned in ((7_900_000, True), (8_100_000, False), (2_100_000, True)):  # 4 checkpoints of 2.0 MB
-        monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path, n=free: SimpleNamespace(free=n))
+        monkeypatch.setattr(preflight.shutil, "disk_usage",  # asked of the folder or its nearest parent
+                            lambda path, n=free: SimpleNamespace(free=n) if path else 1 / 0)
         caplog.clear()
         preflight.check_disk_room(cfg, model, run_dir)
         assert bool(caplog.records) == warned, free

@@ -14,7 +14,7 @@ from replicas import CLASSES, make_config, step_replica
 from ddp_cli.data.pipeline.loaders import Loaders
 from ddp_cli.distributed import faults
 from ddp_cli.distributed.setup import DistContext, seed_everything
-from ddp_cli.distributed.signals import CODES, StopRequest
+from ddp_cli.distributed.signals import StopRequest
 from ddp_cli.errors import DdpError
 from ddp_cli.models import build_model
 from ddp_cli.train.checkpoint import Checkpointer
@@ -51,16 +51,6 @@ def test_the_stop_is_agreed_every_stop_every_steps_and_whenever_a_save_is_due():
     assert asked(10, every_steps=4) == [4, 8, 10, 12, 16, 20]
     assert asked(10, epoch_ends=(7, 14)) == [7, 10, 14, 20]
     assert asked(1) == list(range(1, 21))
-
-
-@pytest.fixture
-def one_process_group():
-    handlers = {sig: signal.getsignal(sig) for sig in CODES}
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
 
 
 def trainer_with_stop(stop_check_steps: int) -> Trainer:
