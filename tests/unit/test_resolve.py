@@ -173,6 +173,7 @@ def test_the_workers_measurement_makes_decode_concrete_and_a_resume_keeps_the_ch
         require_resolved(pending, "the Trainer")
     measured = decode_measured(pending, "gpu")
     assert measured.data.decode == "gpu" and autos(measured) == set()
+    assert decode_measured(pending, "cpu").data.decode == "cpu"
     with pytest.raises(ValueError, match="cpu or gpu"):
         decode_measured(pending, "auto")
     forced = resolved({"data": {"decode": "cpu"}}, gpu_decode=True)
