@@ -346,6 +346,13 @@ def test_preflight_warns_when_the_run_dirs_disk_has_less_room_than_the_checkpoin
                                       "checkpoint of the run takes about 2.0 MB: make room or give another "
                                       "checkpoint.dir")
     assert refused_run.value.exit_code == 6
+    # at the edges, exactly enough room: for every checkpoint no warning, for one a warning, not a refusal
+    each = preflight.checkpoint_bytes(cfg, model)
+    for free, warned in ((4 * each, False), (each, True)):
+        monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path, n=free: SimpleNamespace(free=n))
+        caplog.clear()
+        preflight.check_disk_room(cfg, model, run_dir)
+        assert bool(caplog.records) == warned, free
     # a resume replaces the step checkpoints already there: their bytes count as room
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "step-000000010.pt").write_bytes(bytes(6_000_000))
