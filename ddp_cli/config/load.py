@@ -41,16 +41,6 @@ def unknown_key(dotted: str) -> str | None:
     return None
 
 
-def dotted_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
-    """Every leaf key of a TOML table, dotted (`data.val_resize`)."""
-    keys = []
-    for key, value in raw.items():
-        keys += dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key]
-    return keys
-
-
-
-
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """`a.b=v`: v in TOML value syntax, or a bare string when it is not TOML."""
     key, sep, value = item.partition("=")
