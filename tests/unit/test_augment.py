@@ -234,7 +234,8 @@ def test_a_default_runs_crops_keep_a_quarter_of_the_image_and_up():
 
 def test_plan_lists_the_pipeline_in_order():
     cfg = RunConfig.model_validate({
-        "data": {"image_size": 176, "val_image_size": 224, "val_resize": 232, "min_crop_scale": 0.08},
+        "data": {"image_size": 176, "val_image_size": 224, "val_resize": 232, "min_crop_scale": 0.08,
+                 "decode": "cpu"},  # as preflight resolves it for a bicubic policy
         "augment": {"policy": "randaugment", "num_ops": 2, "magnitude": 15, "color_jitter": 0.4,
                     "random_erase": 0.25, "random_erase_value": "mean", "mixup_alpha": 0.2,
                     "cutmix_alpha": 1.0, "repeated_aug": 4, "interpolation": "bicubic"}})
@@ -250,7 +251,7 @@ def test_plan_lists_the_pipeline_in_order():
     ]
     assert val_preprocessing(cfg) == ["Resize(232, bicubic, antialias)", "CenterCrop(224)",
                                       "Normalize(ImageNet mean, std) (on the device)"]
-    plain = RunConfig.model_validate({"data": {"hflip": False}, "augment": {"cutmix_alpha": 1.0}})
+    plain = RunConfig.model_validate({"data": {"hflip": False, "decode": "cpu"}, "augment": {"cutmix_alpha": 1.0}})
     assert plan_augmentation(plain) == ["RandomResizedCrop(224, scale=(0.25, 1), bilinear, antialias)",
                                         "Normalize(ImageNet mean, std) (on the device)",
                                         "CutMix(alpha=1), mix_prob 1 (on the device, per batch)"]
