@@ -251,7 +251,8 @@ def test_plan_lists_the_pipeline_in_order():
     ]
     assert val_preprocessing(cfg) == ["Resize(232, bicubic, antialias)", "CenterCrop(224)",
                                       "Normalize(ImageNet mean, std) (on the device)"]
-    plain = RunConfig.model_validate({"data": {"hflip": False, "decode": "cpu"}, "augment": {"cutmix_alpha": 1.0}})
+    plain = RunConfig.model_validate({"data": {"hflip": False, "decode": "cpu"},
+                                      "augment": {"cutmix_alpha": 1.0}})
     assert plan_augmentation(plain) == ["RandomResizedCrop(224, scale=(0.25, 1), bilinear, antialias)",
                                         "Normalize(ImageNet mean, std) (on the device)",
                                         "CutMix(alpha=1), mix_prob 1 (on the device, per batch)"]
