@@ -166,7 +166,14 @@ def test_a_pass_must_hold_one_micro_step_of_every_rank():
      "semi.ema_teacher: needs an EMA; set train."),
     ({"semi": {"method": "fixmatch", "mu": 0}}, "semi.mu: Input should be greater than 0"),
     ({"semi": {"method": "fixmatch", "threshold": 1.5}}, "semi.threshold: Input should be less than"),
-    ({"semi": {"method": "mixmatch"}}, "semi.method: Input should be 'none' or 'fixmatch'"),
+    ({"semi": {"method": "mixmatch"}}, "semi.method: Input should be 'none', 'fixmatch', 'freematch' or "
+     "'softmatch'"),
+    ({"semi": {"method": "freematch", "stats_momentum": 1.0}}, "semi.stats_momentum: Input should be less"),
+    ({"semi": {"method": "softmatch", "n_sigma": 0}}, "semi.n_sigma: Input should be greater than 0"),
+    ({"semi": {"method": "freematch", "fairness_weight": -1}},
+     "semi.fairness_weight: Input should be greater"),
+    ({"semi": {"method": "softmatch"}, "augment": {"mixup_alpha": 0.2}},
+     "augment.mixup_alpha: MixUp/CutMix mix the labelled batch"),
 ])
 def test_what_fixmatch_does_not_compose_with_is_refused_naming_the_key_and_the_fix(keys, message):
     raw = {**keys, "semi": {"method": "fixmatch", **keys.get("semi", {})}}
@@ -366,7 +373,8 @@ def test_the_trainer_batches_labelled_weak_and_strong_in_one_forward_with_the_em
     assert sizes == [b + 2 * mu * b] * steps * accum and taught == [mu * b] * steps * accum
     assert semi["mask_rate"] == 1.0  # threshold 0: every pseudo-label counts
     # the stream's position: 20 // 6 = 3 micro-steps a pass
-    assert trainer.objective.state_dict() == {"unlabelled_epoch": 1, "unlabelled_seen": 6}
+    assert trainer.objective.state_dict() == {"unlabelled_epoch": 1, "unlabelled_seen": 6,
+                                              "semi_statistics": {}}
 
 
 UNLABELLED_IMAGES = 12  # per layout below: 3 steps of 2 ranks x batch 2 x mu 1, a pass with none dropped
