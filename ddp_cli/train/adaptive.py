@@ -70,8 +70,9 @@ class Statistics:
 
     def start(self, classes: int, device: torch.device) -> None:
         values = self.saved or self.initial(classes)
-        self.flat = torch.tensor([v for name in self.layout for v in values[name]], dtype=torch.float64,
-                                 device=device)
+        # made on the host and copied without the host waiting (a tensor made on a GPU from a list blocks)
+        flat = torch.tensor([v for name in self.layout for v in values[name]], dtype=torch.float64)
+        self.flat = flat.to(device, non_blocking=True)
 
     def view(self, classes: int) -> dict[str, torch.Tensor]:
         """Each statistic, a view of the flat tensor (scalars as 0-d)."""

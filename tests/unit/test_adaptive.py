@@ -10,6 +10,7 @@ import multiprocessing
 import pytest
 import torch
 import torch.distributed as dist
+from syncs import HostSyncs
 
 from ddp_cli.config import SemiConfig
 from ddp_cli.train.adaptive import FreeMatch, SoftMatch
@@ -99,6 +100,20 @@ def test_the_statistics_round_trip_through_a_checkpoint_s_lists_exactly(method):
         assert all(torch.equal(x, y) for x, y in zip(a[:2], b[:2], strict=True))
     assert torch.equal(first.flat, resumed.flat)
     assert rules[method](semi).state_dict() == {}  # nothing yet: RunState's default
+
+
+@pytest.mark.parametrize("method", ["freematch", "softmatch"])
+def test_a_rule_reads_nothing_back_to_the_host_until_a_record_or_a_save(method):
+    cpu = torch.device("cpu")
+    rule = (FreeMatch if method == "freematch" else SoftMatch)(SemiConfig(method=method))
+    with HostSyncs(cpu) as syncs:
+        for _ in range(2):  # the first makes the statistics, the second moves them
+            probs, strong = PROBS.clone().to(cpu, non_blocking=True), STRONG.clone().to(cpu, non_blocking=True)
+            pseudo, weight, extra = rule.select(probs, strong)
+            (weight.sum() + (0 if extra is None else extra)).add_(1)
+        assert len(syncs) == 0, syncs.report()
+        rule.signals()
+        assert len(syncs) > 0
 
 
 def rank_batch(rank: int) -> torch.Tensor:
