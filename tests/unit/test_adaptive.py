@@ -108,7 +108,8 @@ def test_a_rule_reads_nothing_back_to_the_host_until_a_record_or_a_save(method):
     rule = (FreeMatch if method == "freematch" else SoftMatch)(SemiConfig(method=method))
     with HostSyncs(cpu) as syncs:
         for _ in range(2):  # the first makes the statistics, the second moves them
-            probs, strong = PROBS.clone().to(cpu, non_blocking=True), STRONG.clone().to(cpu, non_blocking=True)
+            probs = PROBS.clone().to(cpu, non_blocking=True)
+            strong = STRONG.clone().to(cpu, non_blocking=True)
             pseudo, weight, extra = rule.select(probs, strong)
             (weight.sum() + (0 if extra is None else extra)).add_(1)
         assert len(syncs) == 0, syncs.report()
@@ -157,3 +158,16 @@ def test_every_rank_holds_the_same_statistics_the_global_batch_s_as_one_process_
         probs = torch.cat([rank_batch(0), rank_batch(1)])
         one.select(probs, probs.log())
     assert torch.allclose(flat[0], one.flat, rtol=1e-6, atol=1e-9)
+
+
+def test_the_plan_names_each_method_s_rule_its_keys_and_the_signals_it_logs():
+    from ddp_cli.cli.plan import rule_plan
+
+    fix = rule_plan(SemiConfig(method="fixmatch", threshold=0.9))
+    assert fix["threshold"] == 0.9 and "freematch_tau" not in fix["signals"]
+    free = rule_plan(SemiConfig(method="freematch", stats_momentum=0.99, fairness_weight=0.0))
+    assert (free["stats_momentum"], free["fairness_weight"]) == (0.99, 0.0) and "threshold" not in free
+    assert {"freematch_tau", "class_thresholds"} <= set(free["signals"])
+    soft = rule_plan(SemiConfig(method="softmatch", dist_align=False))
+    assert (soft["n_sigma"], soft["dist_align"]) == (2.0, False) and "alignment" not in soft["pseudo_labels"]
+    assert {"softmatch_mu", "softmatch_sigma"} <= set(soft["signals"])
