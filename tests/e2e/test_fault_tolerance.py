@@ -176,7 +176,8 @@ def test_sigterm_with_fixmatch_on_resumes_the_labelled_and_unlabelled_streams_bi
     """The streams' positions and FreeMatch's and SoftMatch's running statistics (global: a 2-rank run)
     come back from the checkpoint so that the resumed run ends on the very weights of the reference."""
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    semi = [*SEMI, "--set", f"semi.method={method}"]
+    # statistics that move fast (momentum 0.5), so that a resume without them would end elsewhere
+    semi = [*SEMI, "--set", f"semi.method={method}", "--set", "semi.stats_momentum=0.5"]
     reference = last_json(train(demo_registry, reference_dir, *semi))
     assert reference["semi"]["mask_rate"] > 0 and 0 < reference["semi"]["pseudo_label_top1"] <= 1
     records = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()]
