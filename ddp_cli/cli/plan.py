@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddp_cli.config import AugmentConfig, RunConfig
+from ddp_cli.config import AugmentConfig, RunConfig, SemiConfig
 from ddp_cli.config.resolve import decode_pending
 from ddp_cli.data.pipeline.augment import op_names
 from ddp_cli.data.pipeline.transforms import normalising
@@ -116,8 +116,8 @@ def recipe(cfg: RunConfig) -> dict[str, Any]:
 
 
 def semi_plan(run: Preflight) -> dict[str, Any]:
-    """[semi] as the run will use it: the split's images kept labelled, the unlabelled stream, FixMatch's
-    settings and its two views."""
+    """[semi] as the run will use it: the split's images kept labelled, the unlabelled stream, the method's
+    rule for pseudo-labels, its settings and its two views, and the signals its metrics rows log."""
     semi, (labelled, unlabelled) = run.cfg.semi, run.semi_images
     plan: dict[str, Any] = {"method": semi.method, "labels_per_class": semi.labels_per_class,
                             "labelled_images": labelled}
@@ -126,11 +126,31 @@ def semi_plan(run: Preflight) -> dict[str, Any]:
     source = ("the registry's unlabeled split" if UNLABELED in run.index.splits
               else "the rest of the train split")
     return {**plan, "unlabelled_images": unlabelled, "unlabelled_from": source,
-            "unlabelled_per_step": run.global_batch * semi.mu, "threshold": semi.threshold, "mu": semi.mu,
+            "unlabelled_per_step": run.global_batch * semi.mu, **rule_plan(semi), "mu": semi.mu,
             "lambda_u": semi.lambda_u, "temperature": semi.temperature,
             "pseudo_labels_from": "the EMA weights" if semi.ema_teacher else "the model being trained",
             **view_names(run.cfg.data, run.cfg.augment, semi),
             "forward": "one pass over labelled + weak + strong (BatchNorm sees all)"}
+
+
+def rule_plan(semi: SemiConfig) -> dict[str, Any]:
+    """How the method turns a weak view into a pseudo-label and its weight, with its own keys, and the
+    signals it logs in its `semi` rows (beside mask_rate and pseudo_label_top1)."""
+    if semi.method == "fixmatch":
+        return {"pseudo_labels": f"kept where the top probability >= threshold {semi.threshold}",
+                "threshold": semi.threshold, "signals": ["mask_rate", "pseudo_label_top1"]}
+    if semi.method == "freematch":
+        return {"pseudo_labels": "kept where the top probability >= tau x MaxNorm(p~)[class]: tau the EMA "
+                "of the mean top probability, p~ of the mean class probabilities (both from 1/classes), "
+                "plus the class-fairness loss", "stats_momentum": semi.stats_momentum,
+                "fairness_weight": semi.fairness_weight,
+                "signals": ["mask_rate", "pseudo_label_top1", "freematch_tau", "class_thresholds"]}
+    return {"pseudo_labels": "every one, weighted by a truncated Gaussian of its top probability (mu, "
+            "sigma: EMAs of the batch's mean and variance)"
+            + (" after uniform distribution alignment" if semi.dist_align else ""),
+            "stats_momentum": semi.stats_momentum, "n_sigma": semi.n_sigma, "dist_align": semi.dist_align,
+            "signals": ["mask_rate (the mean weight)", "pseudo_label_top1 (weighted)", "softmatch_mu",
+                        "softmatch_sigma"]}
 
 
 def val_preprocessing(cfg: RunConfig) -> list[str]:

@@ -12,10 +12,14 @@ from ddp_cli.errors import ConfigError
 
 
 class SemiConfig(Section):
-    method: Literal["none", "fixmatch"] = Field(
-        "none", description='Semi-supervised training: "fixmatch" (Sohn et al. 2020) also learns from the '
-        "unlabelled images (the registry's unlabeled split, else the train split's images past "
-        'labels_per_class); "none" = off (docs: "Learning from unlabelled images").',
+    method: Literal["none", "fixmatch", "freematch", "softmatch"] = Field(
+        "none", description='Semi-supervised training: also learn from the unlabelled images (the '
+        "registry's unlabeled split, else the train split's images past labels_per_class), each one's "
+        'strong view toward its weak view\'s pseudo-label: "fixmatch" (Sohn et al. 2020) where the '
+        'confidence reaches semi.threshold; "freematch" (Wang et al. 2023) where it reaches a threshold '
+        'that follows the model\'s confidence, per class, plus a class-fairness term; "softmatch" (Chen '
+        "et al. 2023) every image, weighted by its confidence, after distribution alignment; \"none\" = "
+        'off (docs: "Learning from unlabelled images").',
     )
     labels_per_class: PositiveInt | None = Field(
         None, description="Keep this many labelled images per class of the train split, chosen by the seed "
@@ -25,6 +29,20 @@ class SemiConfig(Section):
     )
     threshold: float = Field(0.95, ge=0, le=1, description="fixmatch: a pseudo-label counts where the weak "
                              "view's top probability reaches this.")
+    stats_momentum: float = Field(
+        0.999, ge=0, lt=1, description="freematch, softmatch: momentum of the running statistics of the "
+        "weak views' confidence (an EMA over every rank's micro-batches: FreeMatch's threshold and class "
+        "means, SoftMatch's mean, variance and mean prediction); the papers' 0.999. Lower follows the "
+        "model faster in a short run.",
+    )
+    fairness_weight: float = Field(0.01, ge=0, description="freematch: weight of the self-adaptive "
+                                   "class-fairness loss (the paper's lambda_f, USB's ent_loss_ratio: "
+                                   "0.01); 0 = off.")
+    n_sigma: float = Field(2.0, gt=0, description="softmatch: the Gaussian's width in standard deviations "
+                           "of the confidence below its mean (the paper's n: 2).")
+    dist_align: bool = Field(True, description="softmatch: uniform distribution alignment of the weak "
+                             "views' probabilities (times uniform over the EMA of the model's mean "
+                             "prediction, renormalised), as the paper.")
     mu: PositiveInt = Field(7, description="fixmatch: unlabelled images per labelled one in a batch (each "
                             "seen twice, weak and strong, in the same forward pass).")
     lambda_u: float = Field(1.0, ge=0, description="fixmatch: weight of the unlabelled loss.")
@@ -47,7 +65,7 @@ class SemiConfig(Section):
                           "the side (a grey square of side drawn up to this).")
 
     def on(self) -> bool:
-        return self.method == "fixmatch"
+        return self.method != "none"
 
 
 class ModelSource(Section):

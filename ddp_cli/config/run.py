@@ -62,7 +62,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _fixmatch_composes(self) -> RunConfig:
-        """What FixMatch cannot be combined with, refused before anything runs."""
+        """What FixMatch and its successors cannot be combined with, refused before anything runs."""
         if not self.semi.on():
             return self
         if self.augment.mixing():

@@ -46,9 +46,19 @@ def served_records(run_dir: Path) -> tuple[str, list[dict]]:
 
 
 def semi_summary(run_dir: Path) -> dict[str, Any]:
-    """FixMatch's last epoch (mask rate, pseudo-label accuracy), where the run had it on."""
+    """The semi-supervised method's last epoch, where the run had one on: its mask rate (SoftMatch's mean
+    weight), pseudo-label accuracy, and its own statistics (FreeMatch's tau and per-class thresholds,
+    SoftMatch's mu and sigma)."""
     epochs, _ = load_records(run_dir, "semi")
-    return {"semi": {k: epochs[-1].get(k) for k in ("mask_rate", "pseudo_label_top1")}} if epochs else {}
+    if not epochs:
+        return {}
+    last = epochs[-1]
+    return {"semi": {k: last.get(k) for k in ("mask_rate", "pseudo_label_top1", *SEMI_SIGNALS)
+                     if k in last or k in ("mask_rate", "pseudo_label_top1")}}
+
+
+SEMI_SIGNALS = {"freematch_tau": "FreeMatch tau", "class_thresholds": None, "softmatch_mu": "SoftMatch mu",
+                "softmatch_sigma": None}  # the methods' own, in their `semi` rows; curves for the labelled
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
@@ -141,6 +151,9 @@ def plot_semi(run_dir: Path, train: list[dict], loss_ax, acc_ax) -> None:
     acc_ax.plot(numbers, [r["mask_rate"] for r in epochs], "^-", label="mask rate")
     acc_ax.plot(numbers, [math.nan if r["pseudo_label_top1"] is None else r["pseudo_label_top1"]
                           for r in epochs], "v-", label="pseudo-label top-1")
+    for key, label in SEMI_SIGNALS.items():
+        if label and any(key in r for r in epochs):
+            acc_ax.plot(numbers, [r.get(key, math.nan) for r in epochs], "x--", label=label)
 
 
 def classes_png(out: Path) -> Path:

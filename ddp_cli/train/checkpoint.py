@@ -303,8 +303,10 @@ class RunState:
     global_batch: int = 0  # images per optimisation step when this state was reached
     running: list[list[float]] = field(default_factory=list)  # per rank: loss sum, steps, the objective's
     # the objective's state (objectives.py), saved here at every checkpoint and handed back on resume:
-    unlabelled_epoch: int = 0  # semi.method = "fixmatch": the unlabelled stream's pass under way
+    unlabelled_epoch: int = 0  # semi.method on: the unlabelled stream's pass under way
     unlabelled_seen: int = 0  # and its positions consumed, all ranks (semi.py)
+    # freematch, softmatch: their running statistics (adaptive.py), global: the same on every rank
+    semi_statistics: dict[str, list[float]] = field(default_factory=dict)
     best_top1: float = -1.0
     history: list[dict[str, Any]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)

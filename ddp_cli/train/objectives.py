@@ -11,7 +11,9 @@ parts live here, assembled from `mixing.py` and `fixmatch.py`:
   nothing to checkpoint);
 - `FixMatch`: the labelled loss plus the unlabelled images' (their stream
   across epochs and its position, the EMA teacher's pseudo-labels, the mask
-  and pseudo-label metrics).
+  and pseudo-label metrics), with its rule for pseudo-labels: FixMatch's fixed
+  threshold, or FreeMatch's and SoftMatch's, which keep running statistics
+  (adaptive.py).
 
 A new method is a class beside these and a line in `build_objective`.
 """
@@ -26,8 +28,9 @@ import torch
 from ddp_cli.config import RunConfig
 from ddp_cli.data.pipeline.loaders import Batch, Loaders
 from ddp_cli.data.pipeline.transforms import model_input, normalising
+from ddp_cli.train.adaptive import FreeMatch, SoftMatch
 from ddp_cli.train.ema import EmaModel
-from ddp_cli.train.fixmatch import SUMS, fixmatch_loss, summary
+from ddp_cli.train.fixmatch import SUMS, Rule, Threshold, fixmatch_loss, summary
 from ddp_cli.train.inference import raise_bad_images
 from ddp_cli.train.mixing import BatchMixing, loss_function
 from ddp_cli.train.precision import autocast
@@ -86,7 +89,8 @@ def on_device(micro: Micro, device: torch.device) -> Micro:
 
 def build_objective(cfg: RunConfig, loaders: Loaders, device: torch.device, precision: str,
                     ema: EmaModel | None) -> Objective:
-    """FixMatch where the loaders bring unlabelled images (`semi.method = "fixmatch"`), else supervised."""
+    """FixMatch and its successors where the loaders bring unlabelled images (`semi.method` on), else
+    supervised."""
     if loaders.unlabelled is not None:
         return FixMatch(cfg, loaders, device, precision, ema)
     return Supervised(cfg, device, precision)
@@ -130,13 +134,17 @@ class Supervised:
         pass
 
 
+RULES: dict[str, type] = {"fixmatch": Threshold, "freematch": FreeMatch, "softmatch": SoftMatch}
+
+
 class FixMatch(Supervised):
-    """FixMatch (`fixmatch.py`): each labelled micro-batch with the next unlabelled one (both views of
-    each image), in one forward of [labelled; weak views; strong views].
+    """FixMatch (`fixmatch.py`) and its successors: each labelled micro-batch with the next unlabelled one
+    (both views of each image), in one forward of [labelled; weak views; strong views], pseudo-labelled
+    by the method's rule.
 
     The unlabelled stream runs across epochs; its position, (pass, images consumed
-    by all ranks), is its state. It starts where the run stands, at the first
-    micro-batch after a fresh start or a resume.
+    by all ranks), is its state, with the rule's running statistics. It starts
+    where the run stands, at the first micro-batch after a fresh start or a resume.
     """
 
     name, sums = "semi", SUMS
@@ -145,6 +153,7 @@ class FixMatch(Supervised):
                  ema: EmaModel | None) -> None:
         super().__init__(cfg, device, precision)
         self.semi, self.ema, self.loaders = cfg.semi, ema, loaders
+        self.rule: Rule = RULES[cfg.semi.method](cfg.semi)
         self.epoch = self.seen = 0  # the stream's position: its pass, and its positions consumed
         self.unlabelled: Iterator[Batch] | None = None  # the endless stream, from its position
 
@@ -168,7 +177,7 @@ class FixMatch(Supervised):
         teacher = self.teacher_logits(x[len(y):len(y) + len(views)]) if self.semi.ema_teacher else None
         with autocast(self.device, self.precision):
             logits = forward(x)
-            return fixmatch_loss(logits, y, hidden, self.semi, self.loss_fn, teacher)
+            return fixmatch_loss(logits, y, hidden, self.semi, self.loss_fn, teacher, self.rule)
 
     @torch.no_grad()
     def teacher_logits(self, weak: torch.Tensor) -> torch.Tensor:
@@ -177,13 +186,18 @@ class FixMatch(Supervised):
             return self.ema.module(weak).float()
 
     def metrics(self, sums: list[float], micro_steps: float) -> dict[str, Any]:
-        return summary(sums, micro_steps)
+        """The sums' metrics and the rule's statistics as they stand (the same on every rank)."""
+        return {**summary(sums, micro_steps), **self.rule.signals()}
 
     def summary(self, last_epoch: dict[str, Any]) -> dict[str, Any]:
-        return {self.name: {k: last_epoch.get(k) for k in ("mask_rate", "pseudo_label_top1")}}
+        """The last epoch's mask rate and pseudo-label accuracy, and the rule's statistics at the end."""
+        keys = ("mask_rate", "pseudo_label_top1")
+        return {self.name: {**{k: last_epoch.get(k) for k in keys}, **self.rule.signals()}}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"unlabelled_epoch": self.epoch, "unlabelled_seen": self.seen}
+        return {"unlabelled_epoch": self.epoch, "unlabelled_seen": self.seen,
+                "semi_statistics": self.rule.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.seen = state["unlabelled_epoch"], state["unlabelled_seen"]
+        self.rule.load_state_dict(state["semi_statistics"])

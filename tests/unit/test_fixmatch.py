@@ -166,7 +166,14 @@ def test_a_pass_must_hold_one_micro_step_of_every_rank():
      "semi.ema_teacher: needs an EMA; set train."),
     ({"semi": {"method": "fixmatch", "mu": 0}}, "semi.mu: Input should be greater than 0"),
     ({"semi": {"method": "fixmatch", "threshold": 1.5}}, "semi.threshold: Input should be less than"),
-    ({"semi": {"method": "mixmatch"}}, "semi.method: Input should be 'none' or 'fixmatch'"),
+    ({"semi": {"method": "mixmatch"}}, "semi.method: Input should be 'none', 'fixmatch', 'freematch' or "
+     "'softmatch'"),
+    ({"semi": {"method": "freematch", "stats_momentum": 1.0}}, "semi.stats_momentum: Input should be less"),
+    ({"semi": {"method": "softmatch", "n_sigma": 0}}, "semi.n_sigma: Input should be greater than 0"),
+    ({"semi": {"method": "freematch", "fairness_weight": -1}},
+     "semi.fairness_weight: Input should be greater"),
+    ({"semi": {"method": "softmatch"}, "augment": {"mixup_alpha": 0.2}},
+     "augment.mixup_alpha: MixUp/CutMix mix the labelled batch"),
 ])
 def test_what_fixmatch_does_not_compose_with_is_refused_naming_the_key_and_the_fix(keys, message):
     raw = {**keys, "semi": {"method": "fixmatch", **keys.get("semi", {})}}
@@ -326,6 +333,25 @@ def test_ddp_report_summarises_and_draws_fixmatch_s_curves(tmp_path):
     assert "semi" not in summarize(tmp_path)
 
 
+@pytest.mark.parametrize(("signals", "label"), [
+    ({"freematch_tau": 0.6, "class_thresholds": [0.6, 0.3]}, "FreeMatch tau"),
+    ({"softmatch_mu": 0.7, "softmatch_sigma": 0.1}, "SoftMatch mu")])
+def test_ddp_report_shows_freematch_s_and_softmatch_s_own_statistics(tmp_path, signals, label):
+    import matplotlib.pyplot as plt
+
+    from ddp_cli.observe.report import figure, summarize
+
+    window = {"sup_loss": 1.0, "unsup_loss": 0.0, "mask_rate": 0.5, "pseudo_label_top1": 0.75}
+    records = [{"split": "train", "epoch": 1, "step": 5, "loss": 1.0, "lr": 0.1, **window},
+               {"split": "val", "epoch": 1, "step": 5, "loss": 1.0, "top1": 0.5, "top5": 0.9},
+               {"split": "semi", "epoch": 1, "step": 5, **window, **signals}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert summarize(tmp_path)["semi"] == {"mask_rate": 0.5, "pseudo_label_top1": 0.75, **signals}
+    acc_ax = figure(tmp_path).axes[1]
+    assert label in {line.get_label() for line in acc_ax.lines}
+    plt.close("all")
+
+
 def test_the_trainer_batches_labelled_weak_and_strong_in_one_forward_with_the_ema_teacher(monkeypatch):
     """The real Trainer on a one-rank gloo group, FixMatch with the EMA teacher and 2 micro-steps: every
     student forward takes B labelled + 2 x mu x B views, the teacher sees the weak views, the stream's
@@ -366,7 +392,8 @@ def test_the_trainer_batches_labelled_weak_and_strong_in_one_forward_with_the_em
     assert sizes == [b + 2 * mu * b] * steps * accum and taught == [mu * b] * steps * accum
     assert semi["mask_rate"] == 1.0  # threshold 0: every pseudo-label counts
     # the stream's position: 20 // 6 = 3 micro-steps a pass
-    assert trainer.objective.state_dict() == {"unlabelled_epoch": 1, "unlabelled_seen": 6}
+    assert trainer.objective.state_dict() == {"unlabelled_epoch": 1, "unlabelled_seen": 6,
+                                              "semi_statistics": {}}
 
 
 UNLABELLED_IMAGES = 12  # per layout below: 3 steps of 2 ranks x batch 2 x mu 1, a pass with none dropped

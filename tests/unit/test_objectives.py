@@ -124,16 +124,17 @@ def test_fixmatch_pairs_each_labelled_micro_batch_with_the_next_unlabelled_one_a
     """Each micro-step takes the stream's next MU x B images and moves its position on; a fresh objective
     loaded with that position deals the very images the first one would have dealt next."""
     first = FixMatch(fixmatch_config(), semi_loaders(), CPU, "fp32", None)
-    assert first.state_dict() == {"unlabelled_epoch": 0, "unlabelled_seen": 0}
+    assert first.state_dict() == {"unlabelled_epoch": 0, "unlabelled_seen": 0, "semi_statistics": {}}
     a, b = labelled(4), labelled(5)
     micro = first.micro_batches([a, b])
     assert [len(part) for part in micro] == [2, 2] and [part[0] for part in micro] == [a, b]
     dealt = [part[1].images[:, 0, 0, 0, 0].tolist() for part in micro]
     assert sorted(dealt[0] + dealt[1]) == sorted(set(dealt[0] + dealt[1]))  # no image twice in a pass
-    assert first.state_dict() == {"unlabelled_epoch": 1, "unlabelled_seen": 0}  # the pass is over
+    # the pass is over
+    assert first.state_dict() == {"unlabelled_epoch": 1, "unlabelled_seen": 0, "semi_statistics": {}}
     third = first.micro_batches([labelled(6)])[0][1]
     position = first.state_dict()
-    assert position == {"unlabelled_epoch": 1, "unlabelled_seen": MU * B}
+    assert position == {"unlabelled_epoch": 1, "unlabelled_seen": MU * B, "semi_statistics": {}}
     resumed = FixMatch(fixmatch_config(), semi_loaders(), CPU, "fp32", None)
     resumed.load_state_dict({**position, "step": 7})  # its own fields of the run's progress
     assert resumed.state_dict() == position
@@ -181,7 +182,8 @@ def test_the_trainer_saves_and_restores_the_objective_s_state_and_logs_its_metri
     finally:
         dist.destroy_process_group()
     position = trainer.objective.state_dict()
-    assert position == {"unlabelled_epoch": 1, "unlabelled_seen": MU * B}  # 3 micro-steps of a 2-step pass
+    # 3 micro-steps of a 2-step pass
+    assert position == {"unlabelled_epoch": 1, "unlabelled_seen": MU * B, "semi_statistics": {}}
     saved = torch.load(path, weights_only=True)
     assert {k: saved[k] for k in position} == position
     assert resumed.objective.state_dict() == position

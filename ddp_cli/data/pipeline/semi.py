@@ -79,8 +79,8 @@ def semi_splits(train: Split, unlabeled: Split | None, semi: SemiConfig,
         return labelled, None
     unlabelled = unlabeled if unlabeled is not None else rest
     if unlabelled is None or not len(unlabelled):
-        raise ConfigError('semi.method: "fixmatch" needs unlabelled images: name an unlabeled split in the '
-                          "data set's registry entry, or set semi.labels_per_class")
+        raise ConfigError(f'semi.method: "{semi.method}" needs unlabelled images: name an unlabeled split in '
+                          "the data set's registry entry, or set semi.labels_per_class")
     return labelled, unlabelled
 
 
