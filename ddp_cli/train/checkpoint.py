@@ -95,15 +95,11 @@ def migrate(state: dict[str, Any], path: str | Path = "checkpoint") -> dict[str,
         state["descriptions"] = list(state["classes"])
     config = state.get("config")
     if trained and isinstance(config, dict) and "ema_bn_epochs" not in config.get("train", {}):
-        state["config"] = trained_without_ema_bn(config)  # not a version: the key came within version 3
+        # a run from before train.ema_bn_epochs (within version 3) never recomputed its EMA's statistics:
+        # its config says so (0), which a resume keeps (`config.resolve.resume`)
+        state["config"] = {**config, "train": {**config.get("train", {}), "ema_bn_epochs": 0}}
     state["format_version"] = FORMAT_VERSION
     return state
-
-
-def trained_without_ema_bn(config: dict[str, Any]) -> dict[str, Any]:
-    """The config of a run from before train.ema_bn_epochs, saying how it trained: without recomputing its
-    EMA's BatchNorm statistics (0), which a resume then keeps (`config.resolve.resume`)."""
-    return {**config, "train": {**config.get("train", {}), "ema_bn_epochs": 0}}
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
