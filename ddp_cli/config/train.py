@@ -91,8 +91,9 @@ class DistributedConfig(Section):
         120, ge=1, description="How long nodes wait for each other (and for the endpoint) to rendezvous."
     )
     rdzv_last_call_s: int = Field(
-        30, ge=0, description="With --nnodes MIN:MAX: once MIN nodes are in, how long the rendezvous "
-        "waits for more (after a node is lost, the survivors wait this long before going on without it).",
+        10, ge=0, description="With --nnodes MIN:MAX: once MIN nodes are in, how long the rendezvous "
+        "waits for more (after a node is lost, the survivors wait this long before going on without it; "
+        "a node later still joins at the next restart).",
     )
     max_restarts: int = Field(0, ge=0, description="Elastic restarts of the worker group on failure.")
     stop_check_steps: int = Field(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -112,21 +113,32 @@ def setup(backend: str = "auto", timeout_s: int = 600) -> DistContext:
     return DistContext(rank, world_size, local_rank, local_world, device, backend)
 
 
+WORKER_GROUP = "DDP_WORKER_GROUP"  # the name ddp's launcher gives each group it starts (`run.rendezvous`)
+
+
 def agent_store(world_size: int, timeout: timedelta) -> dist.Store | None:
     """A client of the elastic agent's store, under a prefix of its own for each group of workers.
 
     The agent keeps one TCPStore for the whole job and torch's env:// join adds
     no per-group prefix, so the workers of a restarted group could read the
     dead group's addresses (gloo then connects to a closed port: "Connection
-    refused", or hangs). A group is one restart count and world size: a
-    failure bumps the count; a node joining restarts the workers at the same
-    count but a larger world. None outside an elastic agent: env:// as usual.
+    refused", or hangs). `group_prefix` names the group. None outside an
+    elastic agent: env:// as usual.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT", 0), world_size,
                           is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"ddp/attempt-{env_int('TORCHELASTIC_RESTART_COUNT', 0)}-{world_size}", store)
+    return dist.PrefixStore(group_prefix(world_size, os.environ), store)
+
+
+def group_prefix(world_size: int, env: Mapping[str, str]) -> str:
+    """The keys of this group of workers: the name ddp's launcher gave the group (the same on every
+    node of it), else (under another agent: torchrun) its restart count and world size, which can
+    differ between nodes after a node is lost (`run.rendezvous`)."""
+    if env.get(WORKER_GROUP):
+        return f"ddp/group-{env[WORKER_GROUP]}"
+    return f"ddp/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', 0)}-{world_size}"
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

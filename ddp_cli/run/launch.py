@@ -29,6 +29,7 @@ from ddp_cli.config import DistributedConfig
 from ddp_cli.distributed.setup import cuda_devices
 from ddp_cli.distributed.signals import CODES
 from ddp_cli.errors import INTERNAL, PEER_LOST, ConfigError, DataError, WorkerFailed, summary
+from ddp_cli.run import rendezvous
 from ddp_cli.run.interrupts import AGENT_SIGNALS, handled
 from ddp_cli.run.jobs import clear_errors, first_error
 from ddp_cli.run.logenv import quiet_torch_logs
@@ -163,7 +164,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         max_nodes=opts.nnodes,
         nproc_per_node=nproc,
         run_id=run_id(opts),
-        rdzv_backend="c10d",
+        rdzv_backend=rendezvous.BACKEND,  # torch's c10d, naming each group alike on every node
         rdzv_endpoint=opts.rdzv_endpoint or "127.0.0.1:0",
         rdzv_configs={"is_host": hosts, "read_timeout": cfg.rdzv_timeout_s,
                       "join_timeout": cfg.rdzv_timeout_s, "last_call_timeout": cfg.rdzv_last_call_s},
@@ -179,6 +180,7 @@ def launch(job_dir: Path, nproc: int, opts: LaunchOptions, cfg: DistributedConfi
         log_line_prefix_template="${role_name}",
     )
     quiet_torch_logs()
+    rendezvous.register()
     more_open_files()
     clear_errors(job_dir)
     os.environ[LAUNCHED] = "1"  # workers leave the printing of errors to us
