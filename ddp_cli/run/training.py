@@ -79,8 +79,8 @@ def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
     `run.writers`).
     """
     choice: list[str | None] = [None]
+    restarted = restarted_anywhere(ctx)
     if ctx.rank == 0:
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         resume = "auto" if restarted else job.resume
         chosen = chosen_checkpoint(resume, folder)  # auto: by name, in each node's run dir
         choice[0] = None if chosen is None else chosen.name if resume == "auto" else str(chosen)
@@ -89,6 +89,15 @@ def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
         return None
     path = Path(choice[0])
     return path if path.is_absolute() else folder / "checkpoints" / path
+
+
+def restarted_anywhere(ctx: DistContext) -> bool:
+    """Whether any rank's launcher has restarted its workers. After a node is lost, the node whose
+    workers failed first restarts with its count raised, while another whose workers still looked healthy
+    restarts for the membership change with its count as it was: one rank's own count is not the group's."""
+    counts: list[int | None] = [None] * ctx.world_size
+    dist.all_gather_object(counts, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    return max(count or 0 for count in counts) > 0
 
 
 def chosen_checkpoint(resume: str, folder: Path) -> Path | None:

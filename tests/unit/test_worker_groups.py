@@ -68,3 +68,27 @@ def test_the_wrapper_answers_as_its_own_backend_and_passes_the_rest_on():
 def test_registering_twice_is_harmless():
     register()
     register()
+
+
+def test_a_group_resumes_its_newest_checkpoint_where_any_rank_restarted(one_process_group, tmp_path,
+                                                                        monkeypatch):
+    """After a lost node, rank 0 may sit on a node whose restart count stayed 0 (a membership change):
+    the group still resumes the newest checkpoint, because another rank's launcher restarted."""
+    import torch
+    import torch.distributed as dist
+
+    from ddp_cli.distributed.setup import DistContext
+    from ddp_cli.run import training
+    from ddp_cli.run.jobs import Job
+    from ddp_cli.train.checkpoint import CheckpointStore, RunState
+
+    store = CheckpointStore(tmp_path / "checkpoints", keep_last=2)
+    store.save({**RunState(step=4).state_dict(), "format": "ddp-checkpoint"}, {"epoch": 1, "step": 4},
+               best=False)
+    ctx = DistContext(0, 2, 0, 1, torch.device("cpu"), "gloo")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    for others, expected in ((1, "step-000000004.pt"), (0, None)):
+        monkeypatch.setattr(dist, "all_gather_object",
+                            lambda out, mine, n=others: out.__setitem__(slice(None), [mine, n]))
+        chosen = training.resume_point(Job("train", True, resume="never"), tmp_path, ctx)
+        assert (chosen.name if chosen else None) == expected
