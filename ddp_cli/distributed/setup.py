@@ -114,6 +114,7 @@ def setup(backend: str = "auto", timeout_s: int = 600) -> DistContext:
 
 
 WORKER_GROUP = "DDP_WORKER_GROUP"  # the name ddp's launcher gives each group it starts (`run.rendezvous`)
+ROUNDS = "DDP_RENDEZVOUS_ROUNDS"  # the rendezvous this node's launcher has completed: over 1, a restart
 
 
 def agent_store(world_size: int, timeout: timedelta) -> dist.Store | None:

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from ddp_cli.distributed.setup import WORKER_GROUP
+from ddp_cli.distributed.setup import ROUNDS, WORKER_GROUP
 
 BACKEND = "ddp-c10d"
 KEY = "ddp/worker-group"
@@ -36,6 +36,7 @@ class NamedGroups:
 
     def __init__(self, inner: RendezvousHandler) -> None:
         self.inner = inner
+        self.rounds = 0  # the rendezvous this node's agent has completed: a second one is a restart
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -45,7 +46,9 @@ class NamedGroups:
 
     def next_rendezvous(self) -> RendezvousInfo:
         info = self.inner.next_rendezvous()
+        self.rounds += 1
         os.environ[WORKER_GROUP] = group_name(info)  # the agent starts the workers with this environment
+        os.environ[ROUNDS] = str(self.rounds)
         return info
 
     @staticmethod

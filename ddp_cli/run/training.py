@@ -19,7 +19,7 @@ from ddp_cli.data.fetch.retry import IoPolicy
 from ddp_cli.data.pipeline.semi import build_semi_loaders
 from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.table import IndexTable
-from ddp_cli.distributed.setup import DistContext, seed_everything
+from ddp_cli.distributed.setup import ROUNDS, DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
 from ddp_cli.errors import DdpError, WriteError
 from ddp_cli.models.check import tensors_on_meta
@@ -92,11 +92,12 @@ def resume_point(job: Job, folder: Path, ctx: DistContext) -> Path | None:
 
 
 def restarted_anywhere(ctx: DistContext) -> bool:
-    """Whether any rank's launcher has restarted its workers. After a node is lost, the node whose
-    workers failed first restarts with its count raised, while another whose workers still looked healthy
-    restarts for the membership change with its count as it was: one rank's own count is not the group's."""
+    """Whether any rank's launcher has restarted its workers. After a node is lost, a node restarts for
+    the membership change without raising torch's restart count: a rank's own count is not the group's,
+    and the rendezvous its launcher completed (`run.rendezvous`: more than one is a restart) count too."""
+    mine = max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ.get(ROUNDS, 1)) - 1)
     counts: list[int | None] = [None] * ctx.world_size
-    dist.all_gather_object(counts, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    dist.all_gather_object(counts, mine)
     return max(count or 0 for count in counts) > 0
 
 
