@@ -9,7 +9,7 @@ from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_
 
 from ddp_cli.config.section import Section
 
-RAMP_STEP = 32  # progressive resizing's crops are multiples of this (FFCV's rule)
+RAMP_ALIGN = 8  # progressive resizing's crops and steps are multiples of this (fast kernels' sizes)
 
 class DataConfig(Section):
     dataset: str = Field("demo", description="Name of a data set in the registry (data.toml).")
@@ -96,23 +96,26 @@ class DataConfig(Section):
     )
     progressive: bool | None = Field(
         None, description="Progressive resizing (FFCV, Composer): the first epochs train on a smaller "
-        "crop, raised toward image_size by the end (in 32 px steps: a short run's last crop may stay "
-        "under it, which validation then tests above, FixRes). Unset = on for torchvision's CNNs and "
-        "resnet_tiny at image_size >= 32 (not 43-48, where its steps never pass 32) and without FixMatch: "
-        "min_image_size and ramp_epochs then default to 0.5 x image_size (at least 24 px) and the ramp "
-        "from 40% of the run to its end (docs: recipes, \"The default recipe\"); false = every epoch at "
-        "image_size; true = on for any model and size.",
+        "crop, raised to image_size in steps of ramp_step px, the last epochs at image_size. Unset = on "
+        "for torchvision's CNNs and resnet_tiny at image_size >= 32 and without FixMatch: min_image_size, "
+        "ramp_epochs and ramp_step then default to 0.5 x image_size (at least 24 px), a ramp from 10% to "
+        "60% of the run and steps of an eighth of image_size (docs: recipes, \"The default recipe\"); "
+        "false = every epoch at image_size; true = on for any model and size.",
     )
     min_image_size: int | None = Field(
         None, ge=8, description="Progressive resizing: the train crop of the first epochs, raised to "
-        "image_size over ramp_epochs in steps of 32 px (FFCV's rule). Unset = 0.5 x image_size to the "
-        "nearest 16 px, at least 24, where data.progressive is on by default, else no progressive "
-        "resizing.",
+        "image_size over ramp_epochs in steps of ramp_step px. Unset = 0.5 x image_size to a multiple of 8 "
+        "px, at least 24, where data.progressive is on by default, else no progressive resizing.",
     )
     ramp_epochs: list[float] | None = Field(
         None, description="Progressive resizing: [start, end] epochs of the ramp from "
-        "min_image_size to image_size (unset: 40% and 100% of train.epochs, whether min_image_size is "
-        "given or derived).",
+        "min_image_size to image_size (unset: 10% and 60% of train.epochs, whether min_image_size is "
+        "given or derived; every epoch from the end on trains at image_size).",
+    )
+    ramp_step: int | None = Field(
+        None, ge=RAMP_ALIGN, description="Progressive resizing: the crop grows in steps of this many px "
+        "(a multiple of 8). Unset = an eighth of image_size to a multiple of 8, at least 8; a resume "
+        "keeps the step its checkpoint trained with unless the config names another.",
     )
 
     @field_validator("ramp_epochs")
@@ -120,6 +123,14 @@ class DataConfig(Section):
     def _ramp_in_order(cls, value: list[float] | None) -> list[float] | None:
         if value is not None and (len(value) != 2 or not 0 <= value[0] <= value[1] < math.inf):
             raise ValueError("expected [start, end] with 0 <= start <= end")  # and finite
+        return value
+
+    @field_validator("ramp_step")
+    @classmethod
+    def _ramp_step_aligned(cls, value: int | None) -> int | None:
+        if value is not None and value % RAMP_ALIGN:
+            raise ValueError(f"expected a multiple of {RAMP_ALIGN} px (fast kernels' sizes), e.g. "
+                             f"{max(RAMP_ALIGN, round(value / RAMP_ALIGN) * RAMP_ALIGN)}")
         return value
 
     @model_validator(mode="after")
@@ -138,15 +149,17 @@ class DataConfig(Section):
 
     def train_size(self, epoch: int) -> int:
         """The train crop side in 0-based `epoch`: min_image_size until the ramp starts,
-        image_size from its end, in between the interpolation rounded to 32 px (as FFCV)."""
+        image_size from its end, in between the interpolation rounded to ramp_step (as FFCV)."""
         low = self.min_image_size
         if low is None or self.ramp_epochs is None or epoch >= self.ramp_epochs[1]:
             return self.image_size
         start, end = self.ramp_epochs
         if epoch <= start:
             return low
+        if self.ramp_step is None:
+            raise ValueError("data.ramp_step is unset: train sizes need a resolved config (config.resolve)")
         between = low + (self.image_size - low) * (epoch - start) / (end - start)
-        return min(self.image_size, max(low, round(between / RAMP_STEP) * RAMP_STEP))
+        return min(self.image_size, max(low, round(between / self.ramp_step) * self.ramp_step))
 
     def sizes(self, epochs: int) -> set[int]:
         """Every input side the model meets: each epoch's train crop and the val crop (after the ramp's

@@ -11,8 +11,8 @@ the run uses and writes out as its run dir's config.toml. Nothing else fills the
   both paths on the run's own data (`decode_measured` makes their choice concrete; a resume keeps
   the checkpoint's, `resume`);
 - `data.workers` / `data.prefetch_factor` "auto": the measured rule (`data.pipeline.autotune`);
-- `data.progressive`, `data.min_image_size`, `data.ramp_epochs` unset: the default recipe's
-  progressive resizing (`progressive_defaults`);
+- `data.progressive`, `data.min_image_size`, `data.ramp_epochs`, `data.ramp_step` unset: the default
+  recipe's progressive resizing (`progressive_defaults`);
 - `data.val_resize` unset: the val crop over VAL_CROP_SHARE (or a timm model's crop_pct);
 - `train.ema_decay` "auto": an average over about an epoch of steps, at least EMA_HORIZON;
 - `train.ema_bn_epochs` "auto": the epochs that end within the EMA's horizon;
@@ -29,21 +29,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_cli.config.data import RAMP_STEP, DataConfig
+from ddp_cli.config.data import RAMP_ALIGN, DataConfig
 from ddp_cli.config.run import RunConfig
 
 VAL_CROP_SHARE = 0.875  # val: the centre crop's share of the resized side (224 of 256), as torchvision's
 PROGRESSIVE_FROM = 32  # the smallest image_size progressive resizing is on for by default
 PROGRESSIVE_SCALE = 0.5  # the default first crop, of image_size (Composer's initial_scale)
 PROGRESSIVE_FLOOR = 24  # ... and at least this: below it a small image loses the detail its classes live in
-PROGRESSIVE_REACH = 0.75  # on by default only where its steps reach this share of image_size (48 px: 32, off)
-PROGRESSIVE_RAMP = (0.4, 1.0)  # the default ramp, in fractions of the epochs: Composer's delay, to the end
+PROGRESSIVE_RAMP = (0.1, 0.6)  # the default ramp, in fractions of the epochs: the last 40% at image_size
+RAMP_STEPS = 8  # the ramp's step: image_size over this, to a multiple of RAMP_ALIGN
 EMA_HORIZON = 100  # train.ema_decay "auto": averages over an epoch of steps, at least this many
 AUTO_KEYS = ("train.precision", "data.decode", "data.workers", "data.prefetch_factor", "train.ema_decay",
              "train.ema_bn_epochs")  # keys whose "auto" only this pass makes concrete
 # keys this pass derives from others when unset (data.min_image_size too, with data.progressive: unset
 # after the pass where progressive resizing is off)
-DERIVED_KEYS = ("data.progressive", "data.ramp_epochs", "data.val_resize", "checkpoint.best_metric")
+DERIVED_KEYS = ("data.progressive", "data.ramp_epochs", "data.ramp_step", "data.val_resize",
+                "checkpoint.best_metric")
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,14 @@ def resume(cfg: RunConfig, trained: RunConfig) -> RunConfig:
     must go on as it trained, so that it resumes to the same weights: a data.decode left to measure
     takes the path the checkpoint trained with (no measurement: its pixels are the path's), and a
     run that trained without recomputing its EMA's BatchNorm statistics (`train.ema_bn_epochs = 0`,
-    which `migrate` gives a checkpoint from before the key) goes on without."""
+    which `migrate` gives a checkpoint from before the key) goes on without, and progressive resizing
+    keeps the step it trained with (32 px, which `migrate` gives a checkpoint from before
+    data.ramp_step) unless the config names another than the rule's."""
     if decode_pending(cfg) and not decode_pending(trained):
         cfg = decode_measured(cfg, trained.data.decode)
+    if trained.data.ramp_step not in (None, cfg.data.ramp_step) and (
+            cfg.data.ramp_step == ramp_step(cfg.data.image_size)):  # derived, or named as the rule says
+        cfg = cfg.resolved({"data.ramp_step": trained.data.ramp_step})
     if trained.train.ema_bn_epochs == 0 and cfg.train.ema_bn_epochs != 0:
         return cfg.resolved({"train.ema_bn_epochs": 0})
     return cfg
@@ -178,30 +184,36 @@ def progressive_defaults(cfg: RunConfig, takes_any_size: bool) -> dict[str, Any]
     where the config leaves it to ddp: a first crop given, the ramp follows the run's epochs; none given,
     `default_min_image_size` decides whether it is on."""
     data = cfg.data
-    off = {"data.progressive": bool(data.progressive), "data.ramp_epochs": data.ramp_epochs or [0, 0]}
+    off = {"data.progressive": bool(data.progressive), "data.ramp_epochs": data.ramp_epochs or [0, 0],
+           "data.ramp_step": data.ramp_step or ramp_step(data.image_size)}
     if data.progressive is False:
         return off
     ramp = data.ramp_epochs or [round(cfg.train.epochs * share, 2) for share in PROGRESSIVE_RAMP]
     if data.min_image_size is not None:
-        return {"data.progressive": True, "data.ramp_epochs": ramp}
+        return off | {"data.progressive": True, "data.ramp_epochs": ramp}
     start = default_min_image_size(data, takes_any_size and not cfg.semi.on())
     if start is None or ramp[-1] == 0:  # off: a ramp ending at 0, or the default leaves it off
         return off
-    return {"data.progressive": True, "data.min_image_size": start, "data.ramp_epochs": ramp}
+    return off | {"data.progressive": True, "data.min_image_size": start, "data.ramp_epochs": ramp}
+
+
+def ramp_step(image_size: int) -> int:
+    """data.ramp_step unset: image_size / RAMP_STEPS to a multiple of RAMP_ALIGN (at least that), so that
+    a step is the same share of any side: 8 px at 64, 16 at 112, 32 at 224 (FFCV's step at ImageNet's
+    sizes)."""
+    return max(RAMP_ALIGN, round(image_size / RAMP_STEPS / RAMP_ALIGN) * RAMP_ALIGN)
 
 
 def default_min_image_size(data: DataConfig, may_resize: bool) -> int | None:
     """The first crop of progressive resizing when min_image_size is unset: PROGRESSIVE_SCALE x image_size
-    to the nearest 16 px (a half up), and at least PROGRESSIVE_FLOOR. Unless data.progressive = true is
-    given, None where the default leaves it off: image_size under PROGRESSIVE_FROM (a first crop at the
-    floor would be most of the image: little to gain), or where the ramp's last step before image_size is
-    under PROGRESSIVE_REACH of it (48 px would train at 32 throughout), and where the model may not take
-    other sizes or FixMatch runs (`may_resize` false: its unlabelled views keep one size)."""
+    to a multiple of RAMP_ALIGN (a half up), and at least PROGRESSIVE_FLOOR. Unless data.progressive =
+    true is given, None where the default leaves it off: image_size under PROGRESSIVE_FROM (a first crop
+    at the floor would be most of the image: little to gain), and where the model may not take other
+    sizes or FixMatch runs (`may_resize` false: its unlabelled views keep one size)."""
     size = data.image_size
-    half = math.floor(size * PROGRESSIVE_SCALE / 16 + 0.5) * 16  # a half rounds up: 112 -> 64, 80 -> 48
-    start = max(PROGRESSIVE_FLOOR, half)
-    last = min(size, max(start, round((size - 1) / RAMP_STEP) * RAMP_STEP))  # train_size just before the end
-    off_by_default = size < PROGRESSIVE_FROM or last < PROGRESSIVE_REACH * size or not may_resize
+    scaled = math.floor(size * PROGRESSIVE_SCALE / RAMP_ALIGN + 0.5) * RAMP_ALIGN  # a half rounds up
+    start = max(PROGRESSIVE_FLOOR, scaled)
+    off_by_default = size < PROGRESSIVE_FROM or not may_resize
     return None if start >= size or (off_by_default and data.progressive is not True) else start
 
 

@@ -1,8 +1,9 @@
 """data.decode "auto" made concrete on the workers, before the training loaders are built.
 
-The launcher leaves it "auto" only where both paths can run (`config.resolve`); then either the run
-resumes from a checkpoint and takes the path it trained with (`config.resolve.resume`: its pixels are
-that path's, so the resume is bitwise), or every rank times both paths on its own train items
+The launcher leaves it "auto" only where both paths can run (`config.resolve`); a run that resumes
+has taken the path its checkpoint trained with by then (`run.as_trained`, `config.resolve.resume`: its
+pixels are that path's, so the resume is bitwise); otherwise every rank times both paths on its own
+train items
 (`data.pipeline.decode_probe`), the ranks agree (each path's time is its slowest rank's, all-reduced:
 every rank takes the same path) and the faster is kept (`config.resolve.decode_measured`). The rank
 that writes the run dir on each node rewrites its config.toml with the choice (an elastic restart
@@ -19,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddp_cli.config import RunConfig, config_from_dict
-from ddp_cli.config.resolve import decode_measured, decode_pending, resume
+from ddp_cli.config import RunConfig
+from ddp_cli.config.resolve import decode_measured, decode_pending
 from ddp_cli.data.pipeline.decode_probe import PathTiming, probe_batches, time_path
 from ddp_cli.data.pipeline.loaders import build_loaders
 from ddp_cli.data.pipeline.semi import semi_splits
@@ -30,7 +31,6 @@ from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.io import write_text
-from ddp_cli.train.checkpoint import load_checkpoint
 
 log = logging.getLogger("ddp")
 PATHS = ("cpu", "gpu")
@@ -55,36 +55,18 @@ class DecodeProbe:
 
 
 def decode_path(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry, index: IndexTable,
-                checkpoint: Path | None, writes: bool) -> RunConfig:
-    """`cfg` with data.decode concrete: as given, as the checkpoint trained, or as measured here."""
+                writes: bool) -> RunConfig:
+    """`cfg` with data.decode concrete: as given, as the checkpoint trained (`run.as_trained`), or as
+    measured here."""
     if not decode_pending(cfg):
         return cfg
-    trained = checkpoint_decode(cfg, checkpoint, ctx) if checkpoint else None
-    if trained is not None:
-        cfg = decode_measured(cfg, trained)
-        if ctx.is_main:
-            log.info(f'data.decode "auto": "{trained}", as the checkpoint trained (not measured again)')
-    else:
-        probe = measure(cfg, ctx, entry, index)
-        cfg = decode_measured(cfg, probe.choice)
-        if ctx.is_main:
-            log.info(probe.line())
+    probe = measure(cfg, ctx, entry, index)
+    cfg = decode_measured(cfg, probe.choice)
+    if ctx.is_main:
+        log.info(probe.line())
     if writes:
         write_text(folder / "config.toml", cfg.to_toml())
     return cfg
-
-
-def checkpoint_decode(cfg: RunConfig, checkpoint: Path, ctx: DistContext) -> str | None:
-    """The path the checkpoint trained with, where a resume keeps it (`config.resolve.resume`), read by
-    rank 0 and the same on every rank; None for a checkpoint whose config leaves it to measure."""
-    chosen: list[str | None] = [None]
-    if ctx.is_main:
-        saved = load_checkpoint(checkpoint).get("config")
-        if saved is not None:
-            kept = resume(cfg, config_from_dict(saved, str(checkpoint)))
-            chosen[0] = None if decode_pending(kept) else kept.data.decode
-    dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
 
 
 def measure(cfg: RunConfig, ctx: DistContext, entry: DatasetEntry, index: IndexTable) -> DecodeProbe:

@@ -22,6 +22,7 @@ from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.distributed.setup import ROUNDS, DistContext, seed_everything
 from ddp_cli.distributed.signals import StopRequest, control_group
 from ddp_cli.errors import DdpError, WriteError
+from ddp_cli.io import write_text
 from ddp_cli.models.check import tensors_on_meta
 from ddp_cli.models.finetune import freeze
 from ddp_cli.models.weights import load_weights
@@ -31,6 +32,7 @@ from ddp_cli.observe.mfu import Utilisation, measure
 from ddp_cli.observe.report import plot
 from ddp_cli.observe.sinks import build_sinks
 from ddp_cli.observe.startup import StartupClock
+from ddp_cli.run.as_trained import as_trained
 from ddp_cli.run.bucket import RunBucket
 from ddp_cli.run.decode_choice import decode_path
 from ddp_cli.run.jobs import Job
@@ -180,7 +182,11 @@ def train(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEntry,
     asked ends here, training nothing: None, its result.json left as it was (where it has none, one is
     written: the run's figures, no throughput)."""
     checkpoint = resume_point(job, folder, ctx)
-    cfg = decode_path(cfg, ctx, folder, entry, index, checkpoint, writes)  # data.decode "auto": measured
+    if checkpoint and (kept := as_trained(cfg, ctx, checkpoint)) != cfg:  # before the loaders read it
+        cfg = kept
+        if writes:
+            write_text(folder / "config.toml", cfg.to_toml())
+    cfg = decode_path(cfg, ctx, folder, entry, index, writes)  # data.decode "auto": measured
     startup.mark("decode")
     trainer = build_trainer(cfg, ctx, folder, entry, index, job, startup, writes)
     resumed = trainer.resume(checkpoint) if checkpoint else None

@@ -59,6 +59,9 @@ def tensor_bytes(state: Any) -> int:
     return 0
 
 
+LEGACY_RAMP_STEP = 32  # progressive resizing's step before data.ramp_step
+
+
 def format_version(state: dict[str, Any]) -> int:
     """The version `state` was written in: its own, else (written before versions were) read off the
     fields it holds, each added in the version named."""
@@ -97,7 +100,10 @@ def migrate(state: dict[str, Any], path: str | Path = "checkpoint") -> dict[str,
     if trained and isinstance(config, dict) and "ema_bn_epochs" not in config.get("train", {}):
         # a run from before train.ema_bn_epochs (within version 3) never recomputed its EMA's statistics:
         # its config says so (0), which a resume keeps (`config.resolve.resume`)
-        state["config"] = {**config, "train": {**config.get("train", {}), "ema_bn_epochs": 0}}
+        state["config"] = config = {**config, "train": {**config.get("train", {}), "ema_bn_epochs": 0}}
+    if trained and isinstance(config, dict) and "ramp_step" not in config.get("data", {}):
+        # a run from before data.ramp_step (within version 3) grew its crops in 32 px steps
+        state["config"] = {**config, "data": {**config.get("data", {}), "ramp_step": LEGACY_RAMP_STEP}}
     state["format_version"] = FORMAT_VERSION
     return state
 

@@ -393,8 +393,6 @@ class Trainer:
         self.checkpointer.meta["config"] = cfg.model_dump(mode="json")
         if self.ema_bn_epochs and not cfg.train.ema_bn_epochs:
             self.ema_bn_epochs = 0
-            self.console.info("resuming a run that trained without train.ema_bn_epochs: its EMA's BatchNorm "
-                              "statistics are not recomputed, as it trained")
 
     def follow_world_size(self, path: str | Path, saved_world: int, saved_batch: int) -> None:
         """Resume a checkpoint written at another world size (a node lost or added).

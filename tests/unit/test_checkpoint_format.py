@@ -10,6 +10,7 @@ from ddp_cli.config import RunConfig
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.train.checkpoint import (
     FORMAT_VERSION,
+    LEGACY_RAMP_STEP,
     RunState,
     format_version,
     load_checkpoint,
@@ -73,6 +74,20 @@ def test_version_2_gains_descriptions_and_nothing_else_changes():
     state = migrate(old)
     assert state["descriptions"] == CLASSES
     assert {k: v for k, v in state.items() if k not in ("descriptions", "format_version")} == old
+
+
+def test_a_config_from_before_the_ramp_step_key_trained_in_32_px_steps():
+    """Progressive resizing grew its crops in 32 px steps before data.ramp_step: a checkpoint whose config
+    lacks the key says so, so that its resume keeps them (`config.resolve.resume`); one that has the key
+    keeps its own, and a bare set of weights gains nothing."""
+    old = written_at(3)
+    old["config"] = {**old["config"], "data": {k: v for k, v in old["config"]["data"].items()
+                                               if k != "ramp_step"}}
+    assert migrate(old)["config"]["data"]["ramp_step"] == LEGACY_RAMP_STEP == 32
+    current = written_at(3)
+    current["config"]["data"]["ramp_step"] = 16
+    assert migrate(current)["config"]["data"]["ramp_step"] == 16
+    assert "ramp_step" not in migrate({"classes": CLASSES, "config": {"data": {}}})["config"]["data"]
 
 
 def test_the_current_version_passes_through_and_a_newer_one_is_refused():

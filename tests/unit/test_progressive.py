@@ -17,8 +17,8 @@ from ddp_cli.models.families import takes_any_size
 
 
 def test_ffcv_rule_for_resnet50_fast():
-    """min 160 until the ramp starts, 192 from its end, the interpolation rounded to 32 between."""
-    cfg = DataConfig(image_size=192, min_image_size=160, ramp_epochs=[29, 34])
+    """min 160 until the ramp starts, 192 from its end, the interpolation rounded to the step (FFCV's 32)."""
+    cfg = DataConfig(image_size=192, min_image_size=160, ramp_epochs=[29, 34], ramp_step=32)
     sizes = [cfg.train_size(e) for e in range(40)]
     # interpolation at epoch 31 is 172.8 -> 160; at 32 it is 179.2 -> 192 (nearest multiple of 32)
     assert sizes == [160] * 32 + [192] * 8
@@ -27,11 +27,21 @@ def test_ffcv_rule_for_resnet50_fast():
 
 def test_off_and_edge_cases():
     assert {DataConfig(image_size=64).train_size(e) for e in range(5)} == {64}
-    cfg = DataConfig(image_size=256, min_image_size=128, ramp_epochs=[2, 6], val_image_size=288)
+    cfg = DataConfig(image_size=256, min_image_size=128, ramp_epochs=[2, 6], val_image_size=288, ramp_step=32)
     assert [cfg.train_size(e) for e in range(8)] == [128, 128, 128, 160, 192, 224, 256, 256]
     assert cfg.sizes(8) == {128, 160, 192, 224, 256, 288}
     step = DataConfig(image_size=96, min_image_size=48, ramp_epochs=[3, 3])
     assert [step.train_size(e) for e in range(5)] == [48, 48, 48, 96, 96]
+    fine = DataConfig(image_size=64, min_image_size=32, ramp_epochs=[0, 4], ramp_step=8)
+    assert [fine.train_size(e) for e in range(5)] == [32, 40, 48, 56, 64]
+    with pytest.raises(ValueError, match="ramp_step is unset: train sizes need a resolved config"):
+        DataConfig(image_size=64, min_image_size=32, ramp_epochs=[0, 4]).train_size(1)
+
+
+@pytest.mark.parametrize(("step", "error"), [(12, "expected a multiple of 8 px .* e.g. 16"), (4, "greater")])
+def test_a_ramp_step_off_the_8_px_grid_is_refused(step, error):
+    with pytest.raises(ValueError, match=error):
+        DataConfig(ramp_step=step)
 
 
 @pytest.mark.parametrize("bad", [{"min_image_size": 300}, {"ramp_epochs": [5, 2]}, {"ramp_epochs": [1]}])
@@ -48,7 +58,7 @@ def test_persistent_loader_processes_crop_at_each_epochs_size(tmp_path):
     fs = fsspec.filesystem("file")
     index = build_index(fs, str(root), "imagenet-loc")
     cfg = DataConfig(image_size=32, min_image_size=16, ramp_epochs=[1, 2], val_image_size=24,
-                     val_resize=28, batch_size=4, workers=1, hflip=False)
+                     val_resize=28, batch_size=4, workers=1, hflip=False, ramp_step=16)
     loaders = build_loaders(cfg, fs, str(root), index, rank=0, world_size=1, seed=0, pin_memory=False)
     seen = []
     for epoch in range(4):
@@ -69,30 +79,39 @@ def sizes_of(raw: dict) -> list[int]:
     return [cfg.data.train_size(e) for e in range(cfg.train.epochs)]
 
 
-def test_on_by_default_from_half_the_size_from_40_percent_of_the_epochs_to_the_end():
-    """The default recipe: from half the side (Composer's initial_scale) to the nearest 16 px, a half rounded
-    up, ramped in 32 px steps to the run's end: 64 -> 96 px over 8 epochs at 112 (issue 41's measured run:
-    the last crop under the val crop, as FixRes), 112 -> 224 over 16."""
+def test_on_by_default_from_half_the_size_over_10_to_60_percent_of_the_epochs_in_eighths_of_it():
+    """The default recipe (issue 57's rule): from half the side to a multiple of 8 px, ramped in steps of
+    an eighth of the side (to 8 px) from 10% of the run to 60%, the last 40% at image_size, whatever the
+    run's length: 64 px over 30 epochs reaches 64 at epoch 18, not 22 (it trained at 32 px for 21
+    epochs in 32 px steps)."""
     cfg = res({"data": {"image_size": 112}, "train": {"epochs": 8}})
-    assert (cfg.data.progressive, cfg.data.min_image_size, cfg.data.ramp_epochs) == (True, 64, [3.2, 8.0])
-    assert sizes_of({"data": {"image_size": 112}, "train": {"epochs": 8}}) == [64] * 5 + [96] * 3
-    assert sizes_of({"data": {"image_size": 224}, "train": {"epochs": 16}})[::5] == [112, 112, 160, 224]
+    data = cfg.data
+    assert (data.progressive, data.min_image_size, data.ramp_epochs, data.ramp_step) == (
+        True, 56, [0.8, 4.8], 16)
+    assert sizes_of({"data": {"image_size": 112}, "train": {"epochs": 8}}) == [56, 64, 80, 80, 96] + [112] * 3
+    at_64 = sizes_of({"data": {"image_size": 64}, "train": {"epochs": 30}})
+    assert at_64.index(64) == 17 and at_64.count(32) == 5 and set(at_64) == {32, 40, 48, 56, 64}
+    assert at_64[18:] == [64] * 12  # the last 40% at the final size
+    at_224 = sizes_of({"data": {"image_size": 224}, "train": {"epochs": 16}})
+    assert at_224[::3] == [112, 128, 160] + [224] * 3
     firsts = [res({"data": {"image_size": s}}).data.min_image_size for s in (64, 80, 96, 144)]
-    assert firsts == [32, 48, 48, 80]  # 40 and 72 px round up
+    assert firsts == [32, 40, 48, 72]
+    assert [res({"data": {"image_size": s}}).data.ramp_step for s in (32, 64, 96, 112, 224, 384)] == [
+        8, 8, 16, 16, 32, 48]  # 96 / 8 = 12: 1.5 eighths of 8 px round to even, 16
     assert sizes_of({"data": {"image_size": 112, "progressive": False}, "train": {"epochs": 8}}) == [112] * 8
 
 
 def test_a_small_image_starts_at_24_px_not_half_its_side():
     """The demo's 32 px digits from 24 px, not 16: from 16 they reached 0.8 at epoch 5 (validated at 32,
     twice what they trained on); from 24 as soon as at 32 px or sooner, on epochs ~0.7x as costly
-    (recipes.md). In 32 px steps the ramp's first step is image_size."""
-    assert sizes_of({"data": {"image_size": 32}, "train": {"epochs": 8}}) == [24] * 4 + [32] * 4
-    assert sizes_of({"data": {"image_size": 40}, "train": {"epochs": 8}}) == [24] * 4 + [32] * 4
+    (recipes.md). 48 px, which 32 px steps never took past 32, ramps in 8 px steps now."""
+    assert sizes_of({"data": {"image_size": 32}, "train": {"epochs": 8}}) == [24] * 3 + [32] * 5
+    assert sizes_of({"data": {"image_size": 40}, "train": {"epochs": 8}}) == [24, 24, 32, 32] + [40] * 4
+    assert sizes_of({"data": {"image_size": 48}, "train": {"epochs": 8}}) == [24, 24, 32, 40, 40] + [48] * 3
 
 
 @pytest.mark.parametrize("raw", [
     {"data": {"image_size": 28}},                            # under 32 px: not measured
-    {"data": {"image_size": 48}},                            # 32 px steps from 32 never reach 48
     {"model": {"name": "vit_b_16"}},                         # built for one size
     {"model": {"name": "timm/resnet18"}},                    # timm's and your own may be too
     {"model": {"name": "mine.py:build"}},
@@ -110,17 +129,17 @@ def test_a_first_crop_given_alone_ramps_over_the_default_epochs():
     once left ramp_epochs at [0, 0], so the run trained at image_size throughout, silently); a ramp given
     with it stays, [0, 0] included."""
     assert sizes_of({"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 8}}) == (
-        [64] * 5 + [96] * 3)
+        [64, 64, 80, 96, 96, 112, 112, 112])
     cfg = res({"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 8}})
-    assert (cfg.data.progressive, cfg.data.ramp_epochs) == (True, [3.2, 8.0])
+    assert (cfg.data.progressive, cfg.data.ramp_epochs) == (True, [0.8, 4.8])
     longer = {"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 20}}
-    assert res(longer).data.ramp_epochs == [8.0, 20.0]
+    assert res(longer).data.ramp_epochs == [2.0, 12.0]
     assert sizes_of({"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [0, 0]}}) == [112] * 90
 
 
 def test_asked_for_it_runs_below_32_px_too_and_off_it_refuses_a_first_size():
     asked = {"data": {"image_size": 28, "progressive": True}, "train": {"epochs": 4}}
-    assert sizes_of(asked) == [24, 24, 28, 28]
+    assert sizes_of(asked) == [24, 24, 24, 28]
     with pytest.raises(ConfigError, match="data: min_image_size is set while progressive = false"):
         config_from_dict({"data": {"progressive": False, "min_image_size": 160}})
 
@@ -131,8 +150,8 @@ def test_the_run_dirs_config_toml_holds_the_sizes_and_an_old_one_resumes_without
     written in full) resumes as it trained: every epoch at image_size."""
     cfg = res({"data": {"image_size": 112}, "train": {"epochs": 8}})
     written = tomllib.loads(cfg.to_toml())["data"]
-    keys = ("progressive", "min_image_size", "ramp_epochs")
-    assert [written[key] for key in keys] == [True, 64, [3.2, 8.0]]
+    keys = ("progressive", "min_image_size", "ramp_epochs", "ramp_step")
+    assert [written[key] for key in keys] == [True, 56, [0.8, 4.8], 16]
     assert config_from_dict(tomllib.loads(cfg.to_toml())) == cfg == res(tomllib.loads(cfg.to_toml()))
     old = tomllib.loads(cfg.to_toml())
     del old["data"]["progressive"], old["data"]["min_image_size"]
@@ -154,7 +173,7 @@ def test_a_change_before_the_pass_derives_the_sizes_again_but_keeps_those_given(
         return resolve(cfg, Facts(takes_any_size=takes_any_size(cfg.model.name)))
 
     cfg = changed({"train": {"epochs": 8}}, {"data.image_size": 112})
-    assert (cfg.data.min_image_size, cfg.data.ramp_epochs, cfg.data.val_resize) == (64, [3.2, 8.0], 128)
+    assert (cfg.data.min_image_size, cfg.data.ramp_epochs, cfg.data.val_resize) == (56, [0.8, 4.8], 128)
     given = {"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [1, 2], "val_resize": 112}}
     again = changed(given, {"train.epochs": 20})
     assert (again.data.min_image_size, again.data.ramp_epochs, again.data.val_resize) == (64, [1, 2], 112)

@@ -23,11 +23,14 @@ from ddp_cli.config.resolve import (
     default_min_image_size,
     for_inference,
     prefetch_for,
+    ramp_step,
     require_resolved,
     resolve,
     resume,
 )
 from ddp_cli.errors import ConfigError
+from ddp_cli.run.as_trained import kept_lines
+from ddp_cli.train.checkpoint import load_checkpoint
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ddp_cli"
 
@@ -108,21 +111,18 @@ def test_recomputing_the_ema_statistics_needs_an_ema():
 
 
 def test_the_default_first_crop_at_its_edges():
-    """default_min_image_size: on from PROGRESSIVE_FROM (32) px exactly; half the side but never under
-    PROGRESSIVE_FLOOR (24); off by default where the ramp's steps stop short of PROGRESSIVE_REACH of the
-    side or the model may not be resized; None where the first crop would be the whole image (24 px) even
-    when asked for."""
+    """default_min_image_size: on from PROGRESSIVE_FROM (32) px exactly; half the side to a multiple of 8
+    (a half up) but never under PROGRESSIVE_FLOOR (24); off by default where the model may not be resized;
+    None where the first crop would be the whole image (24 px) even when asked for."""
     def first(may_resize=True, **data):
         return default_min_image_size(config_from_dict({"data": data}).data, may_resize)
 
     assert first(image_size=PROGRESSIVE_FROM) == PROGRESSIVE_FLOOR == 24
     assert first(image_size=PROGRESSIVE_FROM - 1) is None
     assert first(image_size=PROGRESSIVE_FROM - 1, progressive=True) == 24
-    # 47 and 48 px: the 32 px steps stop at 32, under PROGRESSIVE_REACH (3/4) of the side; 56 ends at 56
-    assert [first(image_size=s) for s in (40, 47, 48, 49, 56, 64)] == [24, None, None, 32, 32, 32]
-    assert first(image_size=48, progressive=True) == 32
+    assert [first(image_size=s) for s in (40, 47, 48, 56, 64, 72, 80)] == [24, 24, 24, 32, 32, 40, 40]
     assert first(image_size=24, progressive=True) is None
-    assert first(False, image_size=112) is None and first(False, image_size=112, progressive=True) == 64
+    assert first(False, image_size=112) is None and first(False, image_size=112, progressive=True) == 56
 
 
 def test_the_device_decides_precision_decode_and_the_loaders_as_the_facts_say():
@@ -163,6 +163,22 @@ def test_a_resume_keeps_a_run_that_trained_without_recomputing_its_ema_statistic
     assert cfg.train.ema_bn_epochs == 4
     assert resume(cfg, config_from_dict({"train": {"ema_bn_epochs": 0}})).train.ema_bn_epochs == 0
     assert resume(cfg, config_from_dict({"train": {"ema_bn_epochs": 2}})) is cfg  # it had them: as resolved
+
+
+def test_a_resume_keeps_the_ramp_step_it_trained_with_unless_the_config_names_another():
+    """A checkpoint from before data.ramp_step (migrate gives it 32) goes on in 32 px steps where this
+    config derives the rule's; a step the config names is the user's; a checkpoint without one (a bare
+    config) changes nothing. What the resume keeps is said (`run.as_trained.kept_lines`)."""
+    cfg = resolved({"data": {"image_size": 64}, "train": {"epochs": 30}})
+    assert cfg.data.ramp_step == ramp_step(64) == 8
+    kept = resume(cfg, config_from_dict({"data": {"image_size": 64, "ramp_step": 32}}))
+    assert kept.data.ramp_step == 32 and kept.data.min_image_size == cfg.data.min_image_size
+    assert kept_lines(cfg, kept) == [
+        "data.ramp_step: 32 px, as the checkpoint trained (this config derives 8)"]
+    named = resolved({"data": {"image_size": 64, "ramp_step": 16}})
+    assert resume(named, config_from_dict({"data": {"ramp_step": 32}})) is named
+    assert resume(cfg, config_from_dict({"data": {"image_size": 64}})) is cfg
+    assert kept_lines(cfg, cfg) == []
 
 
 def test_the_workers_measurement_makes_decode_concrete_and_a_resume_keeps_the_checkpoints_path():
@@ -257,12 +273,17 @@ def test_the_scan_finds_what_it_looks_for():
 
 def test_a_run_dir_of_the_release_before_the_resolve_pass_resolves_to_itself():
     """tests/fixtures/run-0.1.0: a demo run dir written by ddp 0.1.0 (before the config package). Its
-    config.toml holds every key as that release resolved it; the pass changes none of them on any facts,
-    so the run resumes as it trained (tests/e2e/test_old_run_dir.py resumes it to the same weights)."""
-    written = load_config(PACKAGE.parent / "tests/fixtures/run-0.1.0/config.toml")
-    assert autos(written) == set()
+    config.toml holds every key as that release resolved it but data.ramp_step, a key since; the pass
+    changes none of the others on any facts, and the resume keeps the step its checkpoint trained with
+    (migrated: 32 px), so the run resumes as it trained (tests/e2e/test_old_run_dir.py: the same weights)."""
+    fixture = PACKAGE.parent / "tests/fixtures/run-0.1.0"
+    written = load_config(fixture / "config.toml")
+    assert autos(written) == {"data.ramp_step"}
+    trained = config_from_dict(load_checkpoint(fixture / "checkpoints/step-000000008.pt")["config"])
     for facts in (Facts(), Facts("cuda", "bf16", 8, 1250, False, True, 7)):
-        assert resolve(written, facts) == written
+        again = resolve(written, facts)
+        assert again == written.resolved({"data.ramp_step": 8})
+        assert resume(again, trained) == written.resolved({"data.ramp_step": 32})
 
 
 def test_the_facts_each_reach_their_key():
@@ -288,6 +309,6 @@ def test_progressive_resizing_at_its_edges():
     off = resolved({"data": {"image_size": 112, "progressive": False}})
     assert (off.data.progressive, off.data.ramp_epochs) == (False, [0, 0])
     early = resolved({"data": {"image_size": 112, "ramp_epochs": [0, 8]}, "train": {"epochs": 8}})
-    assert (early.data.progressive, early.data.min_image_size, early.data.ramp_epochs) == (True, 64, [0, 8])
+    assert (early.data.progressive, early.data.min_image_size, early.data.ramp_epochs) == (True, 56, [0, 8])
     with pytest.raises(ValueError, match=r"still left to ddp: checkpoint\.best_metric, data\.decode, "):
         require_resolved(config_from_dict({}), "the Trainer")
