@@ -192,6 +192,16 @@ def test_inference_resolves_a_checkpoints_precision_and_loaders_on_this_machine(
     assert (lambda c: (c.train.precision, c.data.workers))(for_inference(kept, "bf16", 2)) == ("fp32", 0)
 
 
+@pytest.mark.parametrize(("trained", "here", "path"), [
+    ("gpu", False, "cpu"),  # trained on GPUs, validated on a CPU-only machine: decoded on its CPU
+    ("gpu", True, "gpu"), ("cpu", True, "cpu"),  # a concrete path, where this machine has it, is kept
+    ("auto", True, "cpu"), ("auto", False, "cpu"),  # never measured for one pass: the CPU path
+])
+def test_inference_decodes_on_the_path_this_machine_has(trained, here, path):
+    cfg = for_inference(config_from_dict({"data": {"decode": trained}}), "fp32", 0, gpu_decode=here)
+    assert cfg.data.decode == path
+
+
 def test_a_timm_models_pretrained_data_config_fills_only_what_the_config_leaves_unset():
     weights = Pretrained("timm/resnet50.a1_in1k", "abc123", {
         "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25], "interpolation": "bicubic",
