@@ -201,7 +201,8 @@ def test_the_views_are_flipped_only_where_data_hflip_and_semi_weak_say_so():
 
 def test_cutout_greys_a_square_within_the_largest_side(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda n: torch.tensor([1.0, 0.5, 0.5]))  # largest, centred
-    out = cutout(torch.zeros(8, 8, 3, dtype=torch.uint8), 0.5)
+    functional, kwargs = cutout(8, 8, 0.5)
+    out = functional(torch.zeros(3, 8, 8, dtype=torch.uint8), **kwargs).permute(1, 2, 0)
     assert (out == 127).all(dim=2).sum().item() == 16  # a 4 x 4 square: half the side
     assert out[2:6, 2:6].eq(127).all()
 

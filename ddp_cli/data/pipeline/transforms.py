@@ -66,9 +66,15 @@ class Deferred:
     interpolation: str
     where: str = ""
     on_bad_image: str = "error"
+    more: tuple[Plan, ...] = ()  # more views of the same image (FixMatch's strong view), from its one decode
 
     def located(self, where: str, on_bad_image: str) -> Deferred:
         return replace(self, where=where, on_bad_image=on_bad_image)
+
+    @property
+    def plans(self) -> tuple[Plan, ...]:
+        """Its views' plans, in their order in the batch."""
+        return self.plan, *self.more
 
 
 class TrainTransform:
