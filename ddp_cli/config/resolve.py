@@ -101,7 +101,7 @@ def resolve(cfg: RunConfig, facts: Facts) -> RunConfig:
         changes["data.val_resize"] = round((data.val_image_size or data.image_size) / VAL_CROP_SHARE)
     if cfg.train.precision == "auto":
         changes["train.precision"] = facts.native_precision
-    if cfg.data.decode == "auto" and (not facts.gpu_decode or cfg.augment.bicubic_policy()):
+    if cfg.data.decode == "auto" and (not facts.gpu_decode or cfg.bicubic_replay()):
         changes["data.decode"] = "cpu"  # one path only: nothing to measure
     workers = facts.loader_workers if cfg.data.workers == "auto" else cfg.data.workers
     changes["data.workers"] = workers

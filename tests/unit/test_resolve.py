@@ -136,6 +136,8 @@ def test_the_device_decides_precision_decode_and_the_loaders_as_the_facts_say():
     assert autos(gpu) == {"data.decode"} and decode_pending(gpu)
     bicubic = {"augment": {"policy": "randaugment", "interpolation": "bicubic"}}
     assert resolved(bicubic, gpu_decode=True).data.decode == "cpu"  # v2's tensor kernels rotate bilinear
+    strong = {"semi": {"method": "fixmatch"}, "augment": {"interpolation": "bicubic"}}  # the strong view's
+    assert resolved(strong, gpu_decode=True).data.decode == "cpu"
     given = {"train": {"precision": "fp32"}, "data": {"decode": "cpu", "workers": 0}}
     assert (lambda c: (c.train.precision, c.data.decode, c.data.workers))(
         resolved(given, native_precision="bf16", gpu_decode=True, loader_workers=5)) == ("fp32", "cpu", 0)

@@ -90,24 +90,35 @@ def solarize(images: torch.Tensor, calls: Calls) -> torch.Tensor:
     return torch.where(images >= column(calls, "threshold", images.device), 255 - images, images)
 
 
-def affine_matrix(call: dict[str, Any]) -> list[float]:
-    """The inverse matrix v2's affine kernel samples with (centre at the image's middle)."""
-    return _get_inverse_affine_matrix([0.0, 0.0], float(call["angle"]), [float(t) for t in call["translate"]],
-                                      float(call["scale"]), [float(s) for s in call["shear"]])
+def centre(call: dict[str, Any], width: int, height: int) -> list[float]:
+    """The call's centre as v2's kernels take it: from the image's middle (RandAugment shears about the
+    top left corner)."""
+    if call.get("center") is None:
+        return [0.0, 0.0]
+    return [c - s * 0.5 for c, s in zip(call["center"], (width, height), strict=True)]
 
 
-def rotation_matrix(call: dict[str, Any]) -> list[float]:
+def affine_matrix(call: dict[str, Any], width: int, height: int) -> list[float]:
+    """The inverse matrix v2's affine kernel samples with."""
+    return _get_inverse_affine_matrix(centre(call, width, height), float(call["angle"]),
+                                      [float(t) for t in call["translate"]], float(call["scale"]),
+                                      [float(s) for s in call["shear"]])
+
+
+def rotation_matrix(call: dict[str, Any], width: int, height: int) -> list[float]:
     """v2's rotate kernel's: an affine by the opposite angle."""
-    return _get_inverse_affine_matrix([0.0, 0.0], -(float(call["angle"]) % 360), [0.0, 0.0], 1.0, [0.0, 0.0])
+    return _get_inverse_affine_matrix(centre(call, width, height), -(float(call["angle"]) % 360), [0.0, 0.0],
+                                      1.0, [0.0, 0.0])
 
 
-def warp(matrix: Callable[[dict[str, Any]], list[float]]) -> Callable[[torch.Tensor, Calls], torch.Tensor]:
+def warp(matrix: Callable[[dict[str, Any], int, int], list[float]]
+         ) -> Callable[[torch.Tensor, Calls], torch.Tensor]:
     """v2's affine and rotate kernels (`_affine_grid`, `_apply_grid_transform` without a fill colour), one
     matrix an image: one grid for the group and one `grid_sample`."""
     def kernel(images: torch.Tensor, calls: Calls) -> torch.Tensor:
         n, _, h, w = images.shape
         device = images.device
-        theta = host_tensor([matrix(call) for call in calls], device).view(n, 2, 3)
+        theta = host_tensor([matrix(call, w, h) for call in calls], device).view(n, 2, 3)
         base = torch.empty(1, h, w, 3, device=device)
         base[..., 0].copy_(torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=device))
         ys = torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=device)
@@ -123,8 +134,8 @@ def warp(matrix: Callable[[dict[str, Any]], list[float]]) -> Callable[[torch.Ten
 
 
 def unfilled(kwargs: dict[str, Any]) -> bool:
-    """A warp about the image's centre onto the image's own size, outside it black (as the policies ask)."""
-    return kwargs.get("fill") is None and kwargs.get("center") is None and not kwargs.get("expand", False) \
+    """A warp onto the image's own size, outside it black (as the policies ask)."""
+    return kwargs.get("fill") is None and not kwargs.get("expand", False) \
         and str(kwargs["interpolation"].value) in ("nearest", "bilinear")
 
 
@@ -152,7 +163,7 @@ BATCHED: dict[Callable, Batched] = {
     F.adjust_sharpness: Batched(("sharpness_factor",), sharpness),
     F.posterize: Batched(("bits",), posterize),
     F.solarize: Batched(("threshold",), solarize),
-    F.affine: Batched(("angle", "translate", "scale", "shear"), warp(affine_matrix), unfilled),
-    F.rotate: Batched(("angle",), warp(rotation_matrix), unfilled),
+    F.affine: Batched(("angle", "translate", "scale", "shear", "center"), warp(affine_matrix), unfilled),
+    F.rotate: Batched(("angle", "center"), warp(rotation_matrix), unfilled),
     F.erase: Batched(("i", "j", "h", "w", "v"), erase, one_colour),  # a box of one colour: Cutout, erasing's
 }

@@ -129,7 +129,9 @@ class View(NamedTuple):
 
 def render(out: torch.Tensor, views: list[View], device: torch.device) -> None:
     """The views' plans, into their rows of `out`: crops resized and flipped in batches (one per resize
-    filter: `resize_crops`), then each view's augmentation steps replayed (`replay_grouped`)."""
+    filter: `resize_crops`), then each view's augmentation steps replayed (`replay_grouped`), the steps on
+    the image first, then those on the tensor (erasing, Cutout), each kind at positions of its own (a
+    policy's op that calls nothing, as Identity, would otherwise move erasing to another position)."""
     for mode in sorted({view.interpolation for view in views}):
         these = [view for view in views if view.interpolation == mode]
         boxes = [pixel_box(view.plan.box, *view.chw.shape[1:]) for view in these]
@@ -137,8 +139,9 @@ def render(out: torch.Tensor, views: list[View], device: torch.device) -> None:
         resized = resize_crops([view.chw for view in these], boxes, flips, out.shape[1], mode)
         out.index_copy_(0, host_tensor([view.row for view in these], device), resized)
     with queued(device):
-        replay_grouped(out, [(view.row, sum(view.plan.steps, [])) for view in views if view.plan.steps],
-                       device)
+        for kind in range(2):
+            replay_grouped(out, [(view.row, view.plan.steps[kind]) for view in views if view.plan.steps],
+                           device)
 
 
 def replay_grouped(out: torch.Tensor, planned: list[tuple[int, list]], device: torch.device) -> None:
