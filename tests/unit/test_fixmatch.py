@@ -470,7 +470,8 @@ def test_with_gpu_decode_the_unlabelled_views_reach_the_rank_deferred_and_fixmat
     registry = write_registry(tmp_path, [{"name": "semi", "layout": "imagefolder", "unlabeled": "unlabeled",
                                           "storage": {"driver": "FileSystem", "path": str(root)}}])
     data = {"dataset": "semi", "image_size": 8, "batch_size": 2, "workers": 0, "decode": "gpu"}
-    cfg = resolved(config_from_dict({"data": data, "semi": {"method": "fixmatch", "mu": 2, "threshold": 0.0}}))
+    semi = {"method": "fixmatch", "mu": 2, "threshold": 0.0}
+    cfg = resolved(config_from_dict({"data": data, "semi": semi}))
     entry, index = resolve_dataset(cfg, str(registry))
     loaders = build_semi_loaders(cfg, *entry.open(), index, 0, 1, pin_memory=False)
     objective = FixMatch(cfg, loaders, torch.device("cpu"), "fp32", None)
