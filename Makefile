@@ -84,7 +84,7 @@ test-cuda: setup
 # On a machine with a CUDA GPU, at most ten minutes: the driver and build, tests/cuda, ResNet-50 on generated
 # JPEGs through `ddp` (train, resume, validate, predict, export; fp16, bf16, PowerSGD, SyncBatchNorm), ddp's
 # step against a bare DDP loop, and the input stage: ResNet-50 batch 256 fed from ImageNet-like JPEGs decoded
-# on the CPU, on the GPU and compiled, against synthetic tensors (tools/gpu_check.py; docs/gpus.md). Writes
+# "cpu", "gpu" and "auto", on every core and on 4, against synthetic tensors (tools/gpu_check.py; docs/gpus.md). Writes
 # runs/gpu-check-*/report.json; exit 0 only if every stage held, 2 on a machine without a GPU.
 gpu-check: setup
 	$(BIN)/python tools/gpu_check.py

@@ -238,7 +238,8 @@ def resolved_for_inference(cfg: RunConfig, workers: Workers, entry: DatasetEntry
     (`config.resolve.for_inference`); their batches must fit in its /dev/shm."""
     measured = measure_node_loaders(cfg, workers, entry, index, model, split) \
         if "data.workers" in autos(cfg) else None
-    cfg = for_inference(cfg, workers.native_precision, measured.workers if measured else 0)
+    cfg = for_inference(cfg, workers.native_precision, measured.workers if measured else 0,
+                        decodes_on(workers.device))
     check_shared_memory(cfg.data, cfg.data.workers, cfg.data.prefetch_factor, workers.nproc)
     return cfg
 

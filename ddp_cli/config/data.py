@@ -45,7 +45,8 @@ class DataConfig(Section):
         "set: v2's tensor kernels do not rotate bicubic), the workers time both on the run's first train "
         "batches and keep the faster (config.toml records it, the log gives the figures, a resume keeps "
         'it); else "cpu". A run that must repeat bit for bit on another machine names a path. '
-        'Validation decodes on the CPU either way (docs: "Performance", "Decoding on the GPU").',
+        "Validation and FixMatch's unlabelled views take the same path as training "
+        '(docs: "Performance", "Decoding on the GPU").',
     )
     on_bad_image: Literal["error", "skip"] = Field(
         "error", description='"error": stop every rank (exit 3) naming the file; '

@@ -102,7 +102,7 @@ def resolve(cfg: RunConfig, facts: Facts) -> RunConfig:
         changes["data.val_resize"] = round((data.val_image_size or data.image_size) / VAL_CROP_SHARE)
     if cfg.train.precision == "auto":
         changes["train.precision"] = facts.native_precision
-    if cfg.data.decode == "auto" and (not facts.gpu_decode or cfg.augment.bicubic_policy()):
+    if cfg.data.decode == "auto" and (not facts.gpu_decode or cfg.bicubic_replay()):
         changes["data.decode"] = "cpu"  # one path only: nothing to measure
     workers = facts.loader_workers if cfg.data.workers == "auto" else cfg.data.workers
     changes["data.workers"] = workers
@@ -142,11 +142,16 @@ def resume(cfg: RunConfig, trained: RunConfig) -> RunConfig:
     return cfg
 
 
-def for_inference(cfg: RunConfig, native_precision: str, loader_workers: int) -> RunConfig:
+def for_inference(cfg: RunConfig, native_precision: str, loader_workers: int,
+                  gpu_decode: bool = False) -> RunConfig:
     """A checkpoint's config made concrete on the machine that validates or predicts with it: its
-    precision (one the command chose, or "auto": this device's native one) and its loaders."""
+    precision (one the command chose, or "auto": this device's native one), its loaders, and its decode
+    path: "gpu" where the checkpoint trained with it and this machine's workers can decode on their device
+    (`gpu_decode`), else "cpu" (a GPU-trained checkpoint validates on a CPU-only machine; "auto" is not
+    measured for one pass over the val split: its CPU path needs no device)."""
     changes: dict[str, Any] = {"data.workers": loader_workers if cfg.data.workers == "auto"
-                               else cfg.data.workers}
+                               else cfg.data.workers,
+                               "data.decode": "gpu" if cfg.data.decode == "gpu" and gpu_decode else "cpu"}
     if cfg.train.precision == "auto":
         changes["train.precision"] = native_precision
     if cfg.data.prefetch_factor == "auto":

@@ -54,11 +54,21 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _gpu_decode_rotates_bilinear(self) -> RunConfig:
-        if self.data.decode == "gpu" and self.augment.bicubic_policy():
-            raise ValueError(f'data.decode: "gpu" replays augment.policy "{self.augment.policy}" with '
+        replayed = self.bicubic_replay()
+        if self.data.decode == "gpu" and replayed:
+            raise ValueError(f'data.decode: "gpu" replays {replayed} with '
                              "torchvision's tensor kernels, which rotate, shear and translate bilinear "
                              'only; set augment.interpolation = "bilinear", or data.decode = "cpu"')
         return self
+
+    def bicubic_replay(self) -> str | None:
+        """The key whose geometric ops would resample bicubic (PIL's kernels only) on the device path: the
+        policy, or FixMatch's strong view (RandAugment at augment.interpolation); None where none would."""
+        if self.augment.bicubic_policy():
+            return f'augment.policy "{self.augment.policy}"'
+        if self.augment.interpolation == "bicubic" and self.semi.on() and self.semi.strong != "none":
+            return f'semi.strong "{self.semi.strong}"'
+        return None
 
     @model_validator(mode="after")
     def _fixmatch_composes(self) -> RunConfig:

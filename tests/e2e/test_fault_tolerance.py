@@ -200,14 +200,17 @@ SEMI = ["--set", "semi.method=fixmatch", "--set", "semi.labels_per_class=10", "-
         "--set", "train.epochs=2"]
 
 
-@pytest.mark.parametrize("method", ["fixmatch", "freematch", "softmatch"])
+@pytest.mark.parametrize(("method", "decode"), [("fixmatch", "cpu"), ("freematch", "cpu"),
+                                                ("softmatch", "cpu"), ("fixmatch", "gpu")])
 def test_sigterm_with_fixmatch_on_resumes_the_labelled_and_unlabelled_streams_bit_identical(
-        demo_registry, tmp_path, method):
+        demo_registry, tmp_path, method, decode):
     """The streams' positions and FreeMatch's and SoftMatch's running statistics (global: a 2-rank run)
-    come back from the checkpoint so that the resumed run ends on the very weights of the reference."""
+    come back from the checkpoint so that the resumed run ends on the very weights of the reference; with
+    data.decode "gpu" too (the CPU stand-in: the views rendered on the rank, from the same draws)."""
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     # statistics that move fast (momentum 0.5), so that a resume without them would end elsewhere
-    semi = [*SEMI, "--set", f"semi.method={method}", "--set", "semi.stats_momentum=0.5"]
+    semi = [*SEMI, "--set", f"semi.method={method}", "--set", "semi.stats_momentum=0.5",
+            "--set", f"data.decode={decode}"]
     reference = last_json(train(demo_registry, reference_dir, *semi))
     assert reference["semi"]["mask_rate"] > 0 and 0 < reference["semi"]["pseudo_label_top1"] <= 1
     records = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()]

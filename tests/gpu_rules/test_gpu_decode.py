@@ -12,12 +12,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ddp_cli.config import AugmentConfig, DataConfig
+from ddp_cli.config import AugmentConfig, DataConfig, SemiConfig
 from ddp_cli.data.pipeline import device_decode
 from ddp_cli.data.pipeline.augment import train_transform
 from ddp_cli.data.pipeline.images import open_image
 from ddp_cli.data.pipeline.loaders import Batch, collate
 from ddp_cli.data.pipeline.transforms import to_model_input
+from ddp_cli.data.pipeline.views import TwoViews
 from ddp_cli.distributed.setup import choose_device
 from gpu_rules.gpu_parts import BATCH, SIZE, gpu_config, gpu_trainer
 from gpu_rules.node import DEVICE, RANK
@@ -90,4 +91,23 @@ def test_a_training_step_on_deferred_batches_stays_on_the_gpu(gpu, monkeypatch):
     batch = loader_batch(BATCH)
     gpu.blocking.clear()
     trainer.train_step([(batch,)])
+    assert not gpu.reads and not gpu.blocking
+
+
+def test_fixmatch_s_two_view_batch_is_decoded_once_and_both_views_rendered_on_the_ranks_gpu(gpu, monkeypatch):
+    """The unlabelled batch under data.decode = "gpu": each JPEG decoded once, its weak and strong views (the
+    strong one's RandAugment at its own magnitude, Cutout) rendered on cuda:3 a functional at a time
+    (`batched_ops`), nothing read back to the host."""
+    decoded = []
+    nvjpeg_on_fake_tensors(monkeypatch, decoded)
+    device = choose_device("nccl", RANK)
+    views = TwoViews(DataConfig(image_size=SIZE), AugmentConfig(), SemiConfig(method="fixmatch"), defer=True)
+    items = []
+    for seed in range(16):
+        torch.manual_seed(seed)
+        items.append((views(open_image(jpeg(seed))).located(f"img{seed}", "error"), -1, "", ""))
+    batch = collate(items).images.pin_memory()
+    gpu.blocking.clear()
+    out = batch.to(device)
+    assert len(decoded) == 1 and out.device == DEVICE and out.shape == (16, 2, SIZE, SIZE, 3)
     assert not gpu.reads and not gpu.blocking

@@ -12,18 +12,23 @@ import pytest
 import torch
 from PIL import Image
 from syncs import HostSyncs
+from synthetic import image
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddp_cli.cli.plan import augmentation as plan_augmentation
-from ddp_cli.config import AugmentConfig, DataConfig, RunConfig
+from ddp_cli.config import AugmentConfig, DataConfig, RunConfig, SemiConfig
 from ddp_cli.data.pipeline import device_decode
 from ddp_cli.data.pipeline.augment import augmentation, train_transform
+from ddp_cli.data.pipeline.batched_ops import BATCHED
 from ddp_cli.data.pipeline.device_decode import DeferredBatch, collate_images, decodes_on
 from ddp_cli.data.pipeline.images import open_image
-from ddp_cli.data.pipeline.loaders import ImageDataset, collate
-from ddp_cli.data.pipeline.transforms import Deferred
+from ddp_cli.data.pipeline.loaders import ImageDataset, build_loaders, collate
+from ddp_cli.data.pipeline.transforms import Deferred, ValTransform
+from ddp_cli.data.pipeline.views import StrongAugment, TwoViews
 from ddp_cli.data.sources.packed import Split
+from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError, DataError
+from ddp_cli.train.inference import evaluate
 
 CPU = torch.device("cpu")
 EVERYTHING = AugmentConfig(policy="trivialaugment", color_jitter=0.3, random_erase=0.5,
@@ -242,6 +247,131 @@ def test_the_launches_a_batch_are_the_same_at_batch_64_and_256(augment):
     assert launches(64) == launches(256)
 
 
+SMALL = [photo(seed, 64 + 4 * seed, 48 + 2 * seed) for seed in range(6)]  # a batch of 512 crops: one chunk
+
+
+def two_views(defer: bool, size: int = 224) -> TwoViews:
+    return TwoViews(DataConfig(image_size=size), AugmentConfig(), SemiConfig(method="fixmatch"), defer)
+
+
+def test_fixmatch_s_two_views_deferred_draw_as_the_cpu_path_and_land_close():
+    """The weak and strong views of one decode on the device, from the draws the CPU path makes (the RNG ends
+    in the same state): the weak view within training's stated tolerance (2 levels, 0.5 on average, where
+    both decode whole images); the strong view's RandAugment and Cutout through v2's tensor kernels against
+    PIL's, 1.5 levels on average (rotations' and shears' edges differ most: no bitwise match across them)."""
+    cpu, deferred = two_views(defer=False), two_views(defer=True)
+    ours, theirs = [], []
+    for seed, file in enumerate(FILES * 4):
+        torch.manual_seed(seed)
+        ours.append(cpu(open_image(file)))
+        after_cpu = torch.get_rng_state()
+        torch.manual_seed(seed)
+        theirs.append(deferred(open_image(file)))
+        assert torch.equal(torch.get_rng_state(), after_cpu)
+    assert all(isinstance(t, Deferred) and len(t.plans) == 2 for t in theirs)
+    assert all(not t.plan.steps for t in theirs) and all(t.more[0].steps[1] for t in theirs)  # Cutout each
+    rendered = collate_images(theirs).to(CPU)
+    assert rendered.shape == (24, 2, 224, 224, 3)
+    diff = (torch.stack(ours).int() - rendered.int()).abs().float()
+    assert diff[:, 0].max() <= 2 and diff[:, 0].mean() <= 0.5
+    assert diff[:, 1].mean() <= 1.5
+
+
+def test_batched_kernels_equal_v2_s_kernels_image_by_image():
+    """Every call `batched_ops` covers, replayed on a group with each image's own magnitude, equals v2's
+    kernel on each image alone up to float rounding (one level): TrivialAugment's 14 ops at 31 magnitudes,
+    colour jitter's factors, erasing with one colour, FixMatch's random-magnitude RandAugment and Cutout."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (120, 3, 24, 24), dtype=torch.uint8, generator=g)
+    plans = [augmentation(AugmentConfig(policy="trivialaugment", color_jitter=0.4, random_erase=1.0,
+                                        random_erase_value=0.0)).plan,
+             StrongAugment(SemiConfig(method="fixmatch"), "bilinear").plan]
+    calls: dict[object, list] = {}
+    for seed in range(len(images)):
+        for plan in plans:
+            torch.manual_seed(seed)
+            for functional, kwargs in sum(plan(24), []):
+                if functional in BATCHED and BATCHED[functional].takes(kwargs):
+                    calls.setdefault(functional, []).append((seed, kwargs))
+    assert set(calls) == set(BATCHED)
+    for functional, drawn in calls.items():
+        rows = [seed for seed, _ in drawn]
+        alone = torch.stack([functional(images[seed], **kwargs) for seed, kwargs in drawn])
+        together = BATCHED[functional].kernel(images[rows], [kwargs for _, kwargs in drawn])
+        assert (alone.int() - together.int()).abs().max() <= 1, functional.__name__
+
+
+def test_the_launches_of_fixmatch_s_two_view_batch_are_the_same_at_batch_64_and_256():
+    """Both views of 256 images (512 crops, each strong one RandAugment at its own magnitude from 1-30 and a
+    Cutout square of its own) launch no more than 64 images' views do: every image's draws its own here, so
+    the count holds because each functional's calls are replayed as one group whatever their magnitudes
+    (`batched_ops`), not because the calls repeat. The count is a few launches per (step position,
+    functional), bounded by the policy, not by the batch: 64 images already draw each of RandAugment's
+    functionals at both positions. (A batch whose padded crops pass `BUDGET` is resized a chunk at a time:
+    these small photos fit one.)"""
+    transform = two_views(defer=True, size=24)
+
+    def launches(count: int) -> int:
+        items = []
+        for seed in range(count):
+            torch.manual_seed(seed)
+            items.append(transform(open_image(SMALL[seed % len(SMALL)])))
+        batch = collate_images(items)
+        with Launches() as ops:
+            assert batch.to(CPU).shape == (count, 2, 24, 24, 3)
+        return ops.count
+
+    assert launches(64) == launches(256)
+
+
+def test_the_val_crop_is_deferred_and_rendered_close_to_the_cpu_paths():
+    """Validation's resize and centre crop, the same box on both paths: where the CPU decodes whole images
+    (a 256 px resize of ~300 px photos), within 2 levels, 0.5 on average, as training's crops."""
+    cpu, deferred = ValTransform(224, 256), ValTransform(224, 256, defer=True)
+    theirs = [deferred(open_image(file)) for file in FILES]
+    assert all(isinstance(t, Deferred) and t.plan.steps is None and not t.plan.flip for t in theirs)
+    diff = (torch.stack([cpu(open_image(file)) for file in FILES]).int()
+            - collate_images(theirs).to(CPU).int()).abs()
+    assert diff.max() <= 2 and diff.float().mean() <= 0.5
+
+
+def test_the_launches_of_a_val_batch_are_the_same_at_batch_64_and_256():
+    transform = ValTransform(24, 28, defer=True)
+
+    def launches(count: int) -> int:
+        batch = collate_images([transform(open_image(file)) for file in (FILES * 60)[:count]])
+        with Launches() as ops:
+            batch.to(CPU)
+        return ops.count
+
+    assert launches(64) == launches(256)
+
+
+def mean_colour_model() -> torch.nn.Module:
+    """Logits = the image's mean of each channel: `synthetic.image`'s label is its brightest channel."""
+    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+
+
+def test_validation_takes_the_device_path_with_gpu_decode_and_scores_as_the_cpu_path(tmp_path):
+    """data.decode = "gpu": the val loader hands the rank deferred JPEGs (rendered on its device; here the
+    CPU stand-in), and validation's top-1 and loss are the CPU path's."""
+    names = []
+    for i in range(24):
+        names.append(f"{i}.JPEG")
+        image(i, i % 3, size=48 + 4 * (i % 5)).save(tmp_path / names[-1], quality=90)
+    split = Split.of(names, [i % 3 for i in range(24)])
+    index = IndexTable(["a", "b", "c"], ["", "", ""], {"val": split})
+    scores = {}
+    for decode in ("cpu", "gpu"):
+        data = DataConfig(image_size=32, val_resize=36, batch_size=8, workers=0, decode=decode)
+        loader = build_loaders(data, fsspec.filesystem("file"), str(tmp_path), index, 0, 1, 0, False,
+                               train=False).val
+        assert isinstance(next(iter(loader)).images, DeferredBatch) == (decode == "gpu")
+        scores[decode] = evaluate(mean_colour_model(), loader, CPU, "fp32", False).metrics
+    assert scores["gpu"]["top1"] == scores["cpu"]["top1"] > 0.9 and scores["gpu"]["images"] == 24
+    assert scores["gpu"]["loss"] == pytest.approx(scores["cpu"]["loss"], rel=1e-2)
+
+
 def test_workers_decode_on_the_gpu_where_they_train_on_cuda_and_torchvision_can(monkeypatch):
     """The fact data.decode "auto" resolves from (config.resolve; test_resolve.py has the rule)."""
     monkeypatch.setattr(device_decode.torchvision.version, "cuda", "12.8")
@@ -255,6 +385,9 @@ def test_gpu_decode_with_a_bicubic_policy_is_refused_naming_the_keys():
     with pytest.raises(ConfigError, match='data.decode: "gpu" replays augment.policy "trivialaugment".*'
                                          'augment.interpolation = "bilinear"'):
         RunConfig().resolved({"data.decode": "gpu", "augment.policy": "trivialaugment",
+                              "augment.interpolation": "bicubic"})
+    with pytest.raises(ConfigError, match='data.decode: "gpu" replays semi.strong "randaugment\\+cutout"'):
+        RunConfig().resolved({"data.decode": "gpu", "semi.method": "fixmatch",
                               "augment.interpolation": "bicubic"})
 
 

@@ -201,7 +201,8 @@ def test_the_views_are_flipped_only_where_data_hflip_and_semi_weak_say_so():
 
 def test_cutout_greys_a_square_within_the_largest_side(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda n: torch.tensor([1.0, 0.5, 0.5]))  # largest, centred
-    out = cutout(torch.zeros(8, 8, 3, dtype=torch.uint8), 0.5)
+    functional, kwargs = cutout(8, 8, 0.5)
+    out = functional(torch.zeros(3, 8, 8, dtype=torch.uint8), **kwargs).permute(1, 2, 0)
     assert (out == 127).all(dim=2).sum().item() == 16  # a 4 x 4 square: half the side
     assert out[2:6, 2:6].eq(127).all()
 
@@ -449,3 +450,43 @@ def test_an_unlabeled_split_of_packed_shards_or_parquet_loads_and_is_dealt_once_
         dealt += [next(stream) for _ in range(3 * 2)]
     assert sorted(index for index, _, _ in dealt) == list(range(UNLABELLED_IMAGES))  # once each, pass 0
     assert {epoch for _, epoch, _ in dealt} == {0}
+
+
+def test_with_gpu_decode_the_unlabelled_views_reach_the_rank_deferred_and_fixmatch_trains_on_them(tmp_path):
+    """data.decode = "gpu" (here on the CPU stand-in): the unlabelled loader hands over each JPEG once with
+    both views' plans; the rank renders them (weak, strong) and FixMatch's one forward takes them in that
+    order: pseudo-labels from the weak views, the loss on the strong ones."""
+    from torch import nn
+
+    from ddp_cli.data.pipeline.device_decode import DeferredBatch
+    from ddp_cli.data.pipeline.transforms import normalising, to_model_input
+    from ddp_cli.train.objectives import FixMatch, on_device
+
+    root = tmp_path / "data"
+    make_imagefolder(root, per_class=6, size=12)
+    (root / "unlabeled").mkdir()
+    for i in range(20):
+        image(i, i % 3, 16).save(root / "unlabeled" / f"u{i}.jpg", quality=90)
+    registry = write_registry(tmp_path, [{"name": "semi", "layout": "imagefolder", "unlabeled": "unlabeled",
+                                          "storage": {"driver": "FileSystem", "path": str(root)}}])
+    data = {"dataset": "semi", "image_size": 8, "batch_size": 2, "workers": 0, "decode": "gpu"}
+    semi = {"method": "fixmatch", "mu": 2, "threshold": 0.0}
+    cfg = resolved(config_from_dict({"data": data, "semi": semi}))
+    entry, index = resolve_dataset(cfg, str(registry))
+    loaders = build_semi_loaders(cfg, *entry.open(), index, 0, 1, pin_memory=False)
+    objective = FixMatch(cfg, loaders, torch.device("cpu"), "fp32", None)
+    (micro,) = objective.micro_batches([next(iter(loaders.train))])
+    deferred = micro[1].images
+    assert isinstance(deferred, DeferredBatch) and deferred.views == 2 and len(deferred.rows) == 4
+    labelled, unlabelled = on_device(micro, torch.device("cpu"))
+    views = unlabelled.images
+    assert views.shape == (4, 2, 8, 8, 3) and not torch.equal(views[:, 0], views[:, 1])
+    torch.manual_seed(0)
+    model, seen = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3)), []
+    model.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    loss, sums = objective.loss(model, (labelled, unlabelled), step=0)
+    x = to_model_input(torch.cat([labelled.images, views[:, 0], views[:, 1]]), torch.device("cpu"),
+                       cfg.model.channels_last, normalising(cfg.data))
+    assert len(seen) == 1 and torch.equal(seen[0], x)  # labelled, weak views, strong views
+    want = fixmatch_loss(model(x), labelled.labels, unlabelled.labels, cfg.semi, objective.loss_fn)
+    assert torch.equal(loss, want[0]) and torch.equal(sums, want[1]) and sums[3] == 4

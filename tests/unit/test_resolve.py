@@ -136,6 +136,8 @@ def test_the_device_decides_precision_decode_and_the_loaders_as_the_facts_say():
     assert autos(gpu) == {"data.decode"} and decode_pending(gpu)
     bicubic = {"augment": {"policy": "randaugment", "interpolation": "bicubic"}}
     assert resolved(bicubic, gpu_decode=True).data.decode == "cpu"  # v2's tensor kernels rotate bilinear
+    strong = {"semi": {"method": "fixmatch"}, "augment": {"interpolation": "bicubic"}}  # the strong view's
+    assert resolved(strong, gpu_decode=True).data.decode == "cpu"
     given = {"train": {"precision": "fp32"}, "data": {"decode": "cpu", "workers": 0}}
     assert (lambda c: (c.train.precision, c.data.decode, c.data.workers))(
         resolved(given, native_precision="bf16", gpu_decode=True, loader_workers=5)) == ("fp32", "cpu", 0)
@@ -206,6 +208,16 @@ def test_inference_resolves_a_checkpoints_precision_and_loaders_on_this_machine(
     assert (cfg.train.precision, cfg.data.workers, cfg.data.prefetch_factor) == ("bf16", 2, 2)
     kept = config_from_dict({"train": {"precision": "fp32"}, "data": {"workers": 0}})
     assert (lambda c: (c.train.precision, c.data.workers))(for_inference(kept, "bf16", 2)) == ("fp32", 0)
+
+
+@pytest.mark.parametrize(("trained", "here", "path"), [
+    ("gpu", False, "cpu"),  # trained on GPUs, validated on a CPU-only machine: decoded on its CPU
+    ("gpu", True, "gpu"), ("cpu", True, "cpu"),  # a concrete path, where this machine has it, is kept
+    ("auto", True, "cpu"), ("auto", False, "cpu"),  # never measured for one pass: the CPU path
+])
+def test_inference_decodes_on_the_path_this_machine_has(trained, here, path):
+    cfg = for_inference(config_from_dict({"data": {"decode": trained}}), "fp32", 0, gpu_decode=here)
+    assert cfg.data.decode == path
 
 
 def test_a_timm_models_pretrained_data_config_fills_only_what_the_config_leaves_unset():

@@ -125,6 +125,16 @@ for _functional in RECORDED:
     F.register_kernel(_functional, Drawing)(_recording(_functional))
 
 
+def recorded(ops: Callable | None, size: int) -> list[Step]:
+    """The calls `ops` makes on a size x size image, its draws made (none without ops)."""
+    drawn.clear()
+    if ops:
+        ops(torch.zeros((), dtype=torch.uint8).expand(3, size, size).as_subclass(Drawing))
+    calls = list(drawn)
+    drawn.clear()
+    return calls
+
+
 def replay(image: Any, steps: list[Step], device: torch.device | None = None) -> Any:
     """`steps` applied to `image` (a PIL image, or a CHW tensor: v2 picks the kernel); tensor arguments
     (erasing's values) moved to `device`, from pinned memory where they come from a loader's batch."""
@@ -145,15 +155,7 @@ class Augmentation:
 
     def plan(self, size: int) -> Steps:
         """The ops' draws for a size x size crop, in the order the ops make them."""
-        stand_in = torch.zeros((), dtype=torch.uint8).expand(3, size, size).as_subclass(Drawing)
-        steps = []
-        for ops in (self.on_image, self.on_tensor):
-            drawn.clear()
-            if ops:
-                ops(stand_in)
-            steps.append(list(drawn))
-        drawn.clear()
-        return steps[0], steps[1]
+        return recorded(self.on_image, size), recorded(self.on_tensor, size)
 
     def apply(self, hwc: torch.Tensor, steps: Steps) -> torch.Tensor:
         """`steps` on a CPU crop: the image's through PIL's kernels, erasing on the tensor."""

@@ -130,10 +130,14 @@ def _steps(image: torch.Tensor) -> tuple[int, int, int]:
     return height * width, width, 1
 
 
-def host_tensor(values: list, device: torch.device) -> torch.Tensor:
+def host_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Python numbers on `device` without the host waiting: made on the host, pinned where a GPU is, copied
     asynchronously (`torch.tensor(..., device=cuda)` would be a blocking copy from pageable memory)."""
-    host = torch.tensor(values)
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, pinned and copied asynchronously where that is a GPU."""
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)

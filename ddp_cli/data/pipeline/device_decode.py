@@ -54,9 +54,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from ddp_cli.data.pipeline.augment import replay
+from ddp_cli.data.pipeline.batched_ops import BATCHED
 from ddp_cli.data.pipeline.batched_resize import host_tensor, resize_crops
 from ddp_cli.data.pipeline.images import BadImage, bad_image_message, decode_rgb
-from ddp_cli.data.pipeline.transforms import Deferred, pixel_box
+from ddp_cli.data.pipeline.transforms import Deferred, Plan, pixel_box
 from ddp_cli.errors import DataError
 
 log = logging.getLogger("ddp")
@@ -66,15 +67,17 @@ STAND_IN = "DDP_DECODE_STAND_IN"  # "1": CPU workers measure data.decode "auto" 
 
 @dataclass
 class DeferredBatch:
-    """A training batch whose JPEGs the rank decodes: `to(device)` makes its uint8 N x S x S x C images."""
+    """A training batch whose JPEGs the rank decodes: `to(device)` makes its uint8 N x S x S x C images, or
+    N x V x S x S x C where each image has V views (FixMatch's weak and strong), all from its one decode."""
 
     size: int  # S, the crop's side
-    pixels: torch.Tensor  # R x S x S x 3 uint8: the rows the loader rendered (CMYK, PNG, a bad one's blank)
+    pixels: torch.Tensor  # R x (V x) S x S x 3 uint8: rows the loader rendered (CMYK, PNG, a bad one's blank)
     pixel_rows: list[int]  # their rows in the batch
     data: torch.Tensor  # the deferred rows' JPEG files, end to end (uint8)
     ends: list[int]  # where each file ends in `data`
     rows: list[int]  # the batch row of each deferred image
     items: list[Deferred]  # their plans (their `data` emptied: it is in `data`)
+    views: int = 1  # V: the plans of each image (`Deferred.plans`)
 
     def __len__(self) -> int:
         return len(self.pixel_rows) + len(self.rows)
@@ -82,7 +85,7 @@ class DeferredBatch:
     def pin_memory(self) -> DeferredBatch:
         """Pinned, as the DataLoader pins a batch (so every copy to the GPU is asynchronous): the rows,
         the files and the augmentation's tensors (erasing's values)."""
-        items = [replace(item, plan=replace(item.plan, steps=_pinned(item.plan.steps)))
+        items = [replace(item, plan=_pinned_plan(item.plan), more=tuple(_pinned_plan(p) for p in item.more))
                  for item in self.items]
         return replace(self, pixels=self.pixels.pin_memory(), data=self.data.pin_memory(), items=items)
 
@@ -91,21 +94,24 @@ class DeferredBatch:
         return [self.data[start:end] for start, end in zip(starts, self.ends, strict=True)]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
-        """The batch's uint8 N x S x S x C images on `device`, decoded and rendered there (queued:
+        """The batch's uint8 N x (V x) S x S x C images on `device`, decoded and rendered there (queued:
         nothing waits for the device, whatever `non_blocking` says)."""
-        device = torch.device(device)
-        out = torch.empty((len(self), self.size, self.size, 3), dtype=torch.uint8, device=device)
+        device, views, side = torch.device(device), self.views, self.size
+        out = torch.empty((len(self) * views, side, side, 3), dtype=torch.uint8, device=device)
         if self.pixel_rows:
-            rendered = self.pixels.to(device, non_blocking=True)
-            out.index_copy_(0, host_tensor(self.pixel_rows, device), rendered)
+            rendered = self.pixels.to(device, non_blocking=True).view(-1, side, side, 3)
+            out.index_copy_(0, host_tensor([row * views + k for row in self.pixel_rows for k in range(views)],
+                                           device), rendered)
         files = self.files()
         images = [Decoded(row, item, image if image is not None else on_cpu(data, item, device))
                   for row, item, data, image in zip(self.rows, self.items, files, decode_jpegs(files, device),
                                                     strict=True)]
         for blank in (image for image in images if image.chw is None):
-            out[blank.row].zero_()
-        render(out, [image for image in images if image.chw is not None], device)
-        return out
+            out[blank.row * views:(blank.row + 1) * views].zero_()
+        render(out, [View(image.row * views + k, plan, image.item.interpolation, image.chw)
+                     for image in images if image.chw is not None for k, plan in enumerate(image.item.plans)],
+               device)
+        return out if views == 1 else out.view(len(self), views, side, side, 3)
 
 
 class Decoded(NamedTuple):
@@ -114,49 +120,70 @@ class Decoded(NamedTuple):
     chw: torch.Tensor | None  # on the device; None: a bad image skipped
 
 
-def render(out: torch.Tensor, images: list[Decoded], device: torch.device) -> None:
-    """The decoded images' plans, into their rows of `out`: crops resized and flipped in batches (one per
-    resize filter: `resize_crops`), then each image's augmentation steps replayed."""
-    for mode in sorted({image.item.interpolation for image in images}):
-        these = [image for image in images if image.item.interpolation == mode]
-        boxes = [pixel_box(image.item.plan.box, *image.chw.shape[1:]) for image in these]
-        flips = [image.item.plan.flip for image in these]
-        resized = resize_crops([image.chw for image in these], boxes, flips, out.shape[1], mode)
-        out.index_copy_(0, host_tensor([image.row for image in these], device), resized)
+class View(NamedTuple):
+    row: int  # in the rendered rows (an image's views side by side)
+    plan: Plan
+    interpolation: str
+    chw: torch.Tensor  # its image, decoded on the device (the one decode its views share)
+
+
+def render(out: torch.Tensor, views: list[View], device: torch.device) -> None:
+    """The views' plans, into their rows of `out`: crops resized and flipped in batches (one per resize
+    filter: `resize_crops`), then each view's augmentation steps replayed (`replay_grouped`), the steps on
+    the image first, then those on the tensor (erasing, Cutout), each kind at positions of its own (a
+    policy's op that calls nothing, as Identity, would otherwise move erasing to another position)."""
+    for mode in sorted({view.interpolation for view in views}):
+        these = [view for view in views if view.interpolation == mode]
+        boxes = [pixel_box(view.plan.box, *view.chw.shape[1:]) for view in these]
+        flips = [view.plan.flip for view in these]
+        resized = resize_crops([view.chw for view in these], boxes, flips, out.shape[1], mode)
+        out.index_copy_(0, host_tensor([view.row for view in these], device), resized)
     with queued(device):
-        replay_grouped(out, [(image.row, sum(image.item.plan.steps, [])) for image in images
-                             if image.item.plan.steps], device)
+        for kind in range(2):
+            replay_grouped(out, [(view.row, view.plan.steps[kind]) for view in views if view.plan.steps],
+                           device)
 
 
 def replay_grouped(out: torch.Tensor, planned: list[tuple[int, list]], device: torch.device) -> None:
     """Each row's augmentation steps on `out` (N x S x S x C), a step position at a time, the rows whose
-    step there is the same call (functional and arguments) replayed together as one batch: the launches
-    are a few per distinct call, not per image. A policy's calls come from a fixed table (RandAugment at
-    its magnitude: 14 ops, some signed; TrivialAugmentWide: 31 magnitudes an op), so their number is
-    bounded whatever the batch; a continuous draw (colour jitter's factors, erasing's box) is a call of
-    its own per image."""
+    step there is the same functional replayed together as one batch, each with its own magnitude
+    (`batched_ops`: brightness, contrast, saturation, sharpness, posterize, solarize, the warps, a box of
+    one colour); any other call (equalize, autocontrast, erasing's noise) with the rows whose call is the
+    same (functional and arguments). So the launches are a few per functional the policy knows, not per
+    image: RandAugment's 14 ops, at one magnitude or at FixMatch's random one, TrivialAugment's 14 at 31,
+    colour jitter's continuous factors."""
     for position in range(max((len(steps) for _, steps in planned), default=0)):
-        groups: dict[Any, tuple[Any, list[int]]] = {}
+        groups: dict[Any, tuple[Any, list[dict[str, Any]], list[int]]] = {}
         for row, steps in planned:
             if position < len(steps):
                 functional, kwargs = steps[position]
-                groups.setdefault(_call_key(functional, kwargs), (steps[position], []))[1].append(row)
-        for step, rows in groups.values():
+                group = groups.setdefault(_group_key(functional, kwargs), (functional, [], []))
+                group[1].append(kwargs)
+                group[2].append(row)
+        for functional, calls, rows in groups.values():
             index = host_tensor(rows, device)
-            chw = replay(out.index_select(0, index).permute(0, 3, 1, 2), [step], device)
+            chw = out.index_select(0, index).permute(0, 3, 1, 2)
+            batched = BATCHED.get(functional)
+            if batched is not None and batched.takes(calls[0]):
+                chw = batched.kernel(chw, calls)
+            else:
+                chw = replay(chw, [(functional, calls[0])], device)
             out.index_copy_(0, index, chw.permute(0, 2, 3, 1))
 
 
-def _call_key(functional: Any, kwargs: dict[str, Any]) -> Any:
-    """What makes two recorded calls the same: the functional and its arguments (a tensor argument, as
-    erasing's values, by identity: each image's own)."""
+def _group_key(functional: Any, kwargs: dict[str, Any]) -> Any:
+    """The calls replayed together: a functional `batched_ops` covers, whatever its per-image arguments;
+    any other, the same functional with the same arguments (a tensor argument, as erasing's noise, by
+    identity: each image's own)."""
     def frozen(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return ("tensor", id(value))
         if isinstance(value, list | tuple):
             return tuple(frozen(v) for v in value)
         return value
-    return functional, tuple(sorted((k, frozen(v)) for k, v in kwargs.items()))
+    batched = BATCHED.get(functional)
+    shared = batched.per_image if batched is not None and batched.takes(kwargs) else ()
+    return functional, shared, tuple(sorted((k, frozen(v)) for k, v in kwargs.items() if k not in shared))
 
 
 def on_cpu(data: torch.Tensor, item: Deferred, device: torch.device) -> torch.Tensor | None:
@@ -233,14 +260,19 @@ def collate_images(images: Sequence[torch.Tensor | Deferred]) -> DeferredBatch:
     the files end to end in one tensor, the rendered rows in another (empty, as a rule)."""
     deferred = [(row, image) for row, image in enumerate(images) if isinstance(image, Deferred)]
     rendered = [(row, image) for row, image in enumerate(images) if not isinstance(image, Deferred)]
-    size = deferred[0][1].plan.size
+    size, views = deferred[0][1].plan.size, len(deferred[0][1].plans)
+    row = (views, size, size, 3) if views > 1 else (size, size, 3)
     pixels = (torch.stack([image for _, image in rendered]) if rendered
-              else torch.empty((0, size, size, 3), dtype=torch.uint8))
+              else torch.empty((0, *row), dtype=torch.uint8))
     files = [image.data for _, image in deferred]
     data = torch.frombuffer(bytearray(b"".join(files)), dtype=torch.uint8)
     ends = torch.tensor([len(f) for f in files]).cumsum(0).tolist()
     return DeferredBatch(size, pixels, [row for row, _ in rendered], data, ends, [row for row, _ in deferred],
-                         [replace(image, data=b"") for _, image in deferred])
+                         [replace(image, data=b"") for _, image in deferred], views)
+
+
+def _pinned_plan(plan: Plan) -> Plan:
+    return replace(plan, steps=_pinned(plan.steps))
 
 
 def _pinned(tree: Any, device: torch.device | None = None) -> Any:

@@ -320,7 +320,7 @@ def build_loaders(
     """This rank's train and val loaders (`train=False` for validation-only jobs), and with `calibration`
     images its share of the EMA's BatchNorm sample."""
     val = eval_loader(cfg, fs, root, index.splits["val"], rank, world_size, seed, pin_memory,
-                      interpolation=augment.interpolation)
+                      interpolation=augment.interpolation, defer=cfg.decode == "gpu")
     if not train:
         return Loaders(None, val, None)
     transform = train_transform(cfg, augment, defer=cfg.decode == "gpu")
@@ -346,11 +346,12 @@ def shard_cache(cfg: DataConfig) -> int:
 
 def eval_loader(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str, split: Split, rank: int,
                 world_size: int, seed: int, pin_memory: bool, on_bad_image: str | None = None,
-                interpolation: str = "bilinear") -> DataLoader:
+                interpolation: str = "bilinear", defer: bool = False) -> DataLoader:
     """Validation's pipeline over `split` in order, this rank's every k-th item: nothing padded or
     dropped. `on_bad_image` "report" (predict) hands a bad file's reason over as the item's error;
-    `interpolation` is the val resize's unless `data.val_interpolation` is set."""
-    dataset = val_dataset(cfg, fs, root, split, on_bad_image or cfg.on_bad_image, interpolation)
+    `interpolation` is the val resize's unless `data.val_interpolation` is set; `defer`: the JPEGs
+    decoded and rendered on the rank's device (data.decode = "gpu", `device_decode`)."""
+    dataset = val_dataset(cfg, fs, root, split, on_bad_image or cfg.on_bad_image, interpolation, defer)
     sampler = ShardSampler(len(dataset), rank, world_size, shuffle=False)
     return make_loader(dataset, sampler, cfg.batch_size, cfg.workers, cfg.prefetch_factor, pin_memory,
                        drop_last=False, seed=seed + 1000 * (rank + 1))
@@ -375,9 +376,10 @@ def calibration_loader(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str
 
 
 def val_dataset(cfg: DataConfig, fs: fsspec.AbstractFileSystem, root: str, split: Split, on_bad_image: str,
-                interpolation: str) -> ImageDataset:
-    """`split` as validation sees it: resized, centre-cropped to the val crop."""
+                interpolation: str, defer: bool = False) -> ImageDataset:
+    """`split` as validation sees it: resized, centre-cropped to the val crop (on the rank's device with
+    `defer`)."""
     transform = ValTransform(cfg.val_image_size or cfg.image_size, cfg.val_resize,
-                             cfg.val_interpolation or interpolation)
+                             cfg.val_interpolation or interpolation, defer)
     return ImageDataset(fs, root, split, transform, on_bad_image, transform.size, cfg.cache_dir,
                         shard_cache(cfg), IoPolicy.of(cfg), cfg.shuffle_shards)

@@ -142,7 +142,7 @@ def build_semi_loaders(cfg: RunConfig, fs: fsspec.AbstractFileSystem, root: str,
         return loaders
     check_unlabelled(len(unlabelled), world_size, cfg)
     data, batch = cfg.data, cfg.data.batch_size * cfg.semi.mu
-    views = TwoViews(data, cfg.augment, cfg.semi)
+    views = TwoViews(data, cfg.augment, cfg.semi, defer=data.decode == "gpu")  # as training's images
     dataset = UnlabelledDataset(fs, root, unlabelled, views, data.on_bad_image, views.size, data.cache_dir,
                                 shard_cache(data), IoPolicy.of(data), data.shuffle_shards)
     seed = derived_seed(cfg.seed, stream=UNLABELLED)

@@ -50,7 +50,7 @@ class Augment(Protocol):
 class Plan:
     """Every random draw of one training image, made in the loader process from the seeded stream."""
 
-    box: tuple[int, int, int, int]  # the crop: top, left, height, width in the source's pixels
+    box: tuple[float, float, float, float]  # the crop: top, left, height, width in the source's pixels
     flip: bool
     size: int  # the output side
     steps: Any = None  # the augmentation's draws (`augment.Steps`), None without one
@@ -66,9 +66,15 @@ class Deferred:
     interpolation: str
     where: str = ""
     on_bad_image: str = "error"
+    more: tuple[Plan, ...] = ()  # more views of the same image (FixMatch's strong view), from its one decode
 
     def located(self, where: str, on_bad_image: str) -> Deferred:
         return replace(self, where=where, on_bad_image=on_bad_image)
+
+    @property
+    def plans(self) -> tuple[Plan, ...]:
+        """Its views' plans, in their order in the batch."""
+        return self.plan, *self.more
 
 
 class TrainTransform:
@@ -108,17 +114,21 @@ class TrainTransform:
 
 
 class ValTransform:
-    """Resize the shorter side to `resize`, center-crop `size`: one resize call."""
+    """Resize the shorter side to `resize`, center-crop `size`: one resize call. With `defer` (data.decode =
+    "gpu"), a JPEG the device's decoder takes comes out `Deferred` (its crop, no flip, no augmentation):
+    the rank renders validation's batch on its device as it does training's."""
 
-    def __init__(self, size: int, resize: int, interpolation: str = "bilinear") -> None:
-        self.size, self.resize, self.interpolation = size, resize, interpolation
+    def __init__(self, size: int, resize: int, interpolation: str = "bilinear", defer: bool = False) -> None:
+        self.size, self.resize, self.interpolation, self.defer = size, resize, interpolation, defer
 
-    def __call__(self, img: EncodedImage) -> torch.Tensor:
+    def __call__(self, img: EncodedImage) -> torch.Tensor | Deferred:
         scale = self.resize / min(img.width, img.height)
-        pixels, k = decode(img, math.ceil(img.width * scale), math.ceil(img.height * scale))
         side = self.size / scale  # crop side in original pixels
-        top, left = (img.height - side) / 2, (img.width - side) / 2
-        return crop_resize(pixels, (top * k, left * k, side * k, side * k), self.size, self.interpolation)
+        box = ((img.height - side) / 2, (img.width - side) / 2, side, side)
+        if self.defer and device_decodable(img):
+            return Deferred(img.data, Plan(box, False, self.size), self.interpolation)
+        pixels, k = decode(img, math.ceil(img.width * scale), math.ceil(img.height * scale))
+        return crop_resize(pixels, tuple(v * k for v in box), self.size, self.interpolation)
 
 
 def random_resized_crop(

@@ -1,4 +1,4 @@
-"""FixMatch's two views of an unlabelled image, made in the loader processes from one decode.
+"""FixMatch's two views of an unlabelled image.
 
 The weak view is the crop and flip of training (the flip only where data.hflip:
 a mirrored digit is another glyph); the strong view is another crop and flip of
@@ -6,74 +6,78 @@ the same image, then RandAugment with `strong_ops` ops at a magnitude drawn per
 image (the paper's RandAugment variant: no fixed magnitude to tune), then Cutout,
 a grey square of a random side up to `cutout` of the image's. Every draw is
 torch's global RNG, which `EpochItems` seeds per (seed, epoch, index): the views
-are the same whatever the loader processes, and after a resume.
+are the same whatever the loader processes, and after a resume. The draws come
+first (`TrainTransform.plan`, `StrongAugment.plan`), the pixels after, as for a
+training image: rendered in the loader processes, or, with data.decode = "gpu",
+both views rendered on the rank's device from one decode of the JPEG there
+(`device_decode`), their steps replayed a functional at a time (`batched_ops`).
 """
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import replace
+
 import torch
-from PIL import Image
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
 
 from ddp_cli.config import AugmentConfig, DataConfig, SemiConfig
-from ddp_cli.data.pipeline.augment import INTERPOLATION
+from ddp_cli.data.pipeline.augment import INTERPOLATION, Augmentation, Step, Steps, recorded
 from ddp_cli.data.pipeline.images import EncodedImage
-from ddp_cli.data.pipeline.transforms import TrainTransform
+from ddp_cli.data.pipeline.transforms import Deferred, TrainTransform
 
 MAGNITUDES = 31  # RandAugment's bins: magnitude 0-30
-GREY = 127  # Cutout's fill, the paper's (0.5 of the pixel range)
+GREY = torch.tensor([127], dtype=torch.uint8).view(1, 1, 1)  # Cutout's fill, the paper's (0.5 of the range)
 
 
-class RandomMagnitudeRandAugment:
-    """RandAugment(num_ops) at a magnitude drawn uniformly from 1-30 for each image."""
+class StrongAugment(Augmentation):
+    """RandAugment(strong_ops) at a magnitude drawn uniformly from 1-30 for each image, then Cutout, as
+    `semi.strong` says: drawn by `plan` (the magnitude, the ops' draws, Cutout's square), applied by
+    `apply` (PIL's kernels in the loader) or replayed on the rank's device (data.decode = "gpu")."""
 
-    def __init__(self, num_ops: int, interpolation: str) -> None:
+    def __init__(self, semi: SemiConfig, interpolation: str) -> None:
         mode = INTERPOLATION[interpolation]
-        self.by_magnitude = [v2.RandAugment(num_ops, m, MAGNITUDES, mode) for m in range(MAGNITUDES)]
+        self.by_magnitude = ([v2.RandAugment(semi.strong_ops, m, MAGNITUDES, mode) for m in range(MAGNITUDES)]
+                             if semi.strong != "none" else None)
+        self.cutout = semi.cutout if semi.strong == "randaugment+cutout" else 0.0
 
-    def __call__(self, hwc: torch.Tensor) -> torch.Tensor:
-        op = self.by_magnitude[int(torch.randint(1, MAGNITUDES, ()))]
-        return torch.from_numpy(np.array(op(Image.fromarray(hwc.numpy()))))
+    def plan(self, size: int) -> Steps:
+        on_image = []
+        if self.by_magnitude:
+            on_image = recorded(self.by_magnitude[int(torch.randint(1, MAGNITUDES, ()))], size)
+        return on_image, [cutout(size, size, self.cutout)] if self.cutout else []
 
 
-def cutout(hwc: torch.Tensor, largest: float) -> torch.Tensor:
-    """A grey square of side uniform in [0, largest x side), centred anywhere, clipped to the image."""
-    h, w = hwc.shape[:2]
+def cutout(h: int, w: int, largest: float) -> Step:
+    """A grey square of side uniform in [0, largest x side), centred anywhere, clipped to the h x w image:
+    its erase."""
     side, cy, cx = torch.rand(3).tolist()
     half = side * largest * min(h, w) / 2
     top, left = round(cy * h - half), round(cx * w - half)
-    out = hwc.clone()
-    out[max(top, 0):max(top + round(2 * half), 0), max(left, 0):max(left + round(2 * half), 0)] = GREY
-    return out
-
-
-class StrongAugment:
-    """RandAugment at a random magnitude, then Cutout, as `semi.strong` says."""
-
-    def __init__(self, semi: SemiConfig, interpolation: str) -> None:
-        self.randaugment = (RandomMagnitudeRandAugment(semi.strong_ops, interpolation)
-                            if semi.strong != "none" else None)
-        self.cutout = semi.cutout if semi.strong == "randaugment+cutout" else 0.0
-
-    def __call__(self, hwc: torch.Tensor) -> torch.Tensor:
-        if self.randaugment:
-            hwc = self.randaugment(hwc)
-        return cutout(hwc, self.cutout) if self.cutout else hwc
+    i, j = min(max(top, 0), h), min(max(left, 0), w)
+    bottom, right = min(max(top + round(2 * half), 0), h), min(max(left + round(2 * half), 0), w)
+    return F.erase, {"i": i, "j": j, "h": max(bottom - i, 0), "w": max(right - j, 0), "v": GREY,
+                     "inplace": False}
 
 
 class TwoViews:
-    """Weak and strong view of one decoded image, stacked: uint8 2 x H x W x C."""
+    """Weak and strong view of one image: uint8 2 x H x W x C, both from one decode. With `defer`
+    (data.decode = "gpu"), a JPEG the device's decoder takes comes out one `Deferred` with both views'
+    plans (`Deferred.more`: the strong one), rendered on the rank's device from its one decode there."""
 
-    def __init__(self, data: DataConfig, augment: AugmentConfig, semi: SemiConfig) -> None:
-        hflip = data.hflip and semi.weak == "flip+crop"
-        self.weak = TrainTransform(data.image_size, semi.crop_scale, hflip, augment.interpolation)
-        self.strong = TrainTransform(data.image_size, semi.crop_scale, hflip, augment.interpolation)
-        self.strong_augment = StrongAugment(semi, augment.interpolation)  # after the strong crop's draws
+    def __init__(self, data: DataConfig, augment: AugmentConfig, semi: SemiConfig,
+                 defer: bool = False) -> None:
+        hflip, mode = data.hflip and semi.weak == "flip+crop", augment.interpolation
+        self.weak = TrainTransform(data.image_size, semi.crop_scale, hflip, mode, defer=defer)
+        strong = StrongAugment(semi, mode)
+        self.strong = TrainTransform(data.image_size, semi.crop_scale, hflip, mode, strong, defer)
         self.size = data.image_size
 
-    def __call__(self, img: EncodedImage) -> torch.Tensor:
-        return torch.stack([self.weak(img), self.strong_augment(self.strong(img))])
+    def __call__(self, img: EncodedImage) -> torch.Tensor | Deferred:
+        weak, strong = self.weak(img), self.strong(img)
+        if isinstance(weak, Deferred):
+            return replace(weak, more=(strong.plan,))
+        return torch.stack([weak, strong])
 
 
 def view_names(data: DataConfig, augment: AugmentConfig, semi: SemiConfig) -> dict[str, list[str]]:
