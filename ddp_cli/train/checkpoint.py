@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_cli.config import config_from_dict
+from ddp_cli.config.trained_before import as_trained
 from ddp_cli.distributed.signals import StopRequest
 from ddp_cli.errors import ConfigError, DataError, DdpError, WriteError
 from ddp_cli.io import (
@@ -59,9 +60,6 @@ def tensor_bytes(state: Any) -> int:
     return 0
 
 
-LEGACY_RAMP_STEP = 32  # progressive resizing's step before data.ramp_step
-
-
 def format_version(state: dict[str, Any]) -> int:
     """The version `state` was written in: its own, else (written before versions were) read off the
     fields it holds, each added in the version named."""
@@ -96,14 +94,8 @@ def migrate(state: dict[str, Any], path: str | Path = "checkpoint") -> dict[str,
         state["world_sizes"] = [world]
     if version < 3 and "classes" in state:  # 2 -> 3: class descriptions (the synsets where none were)
         state["descriptions"] = list(state["classes"])
-    config = state.get("config")
-    if trained and isinstance(config, dict) and "ema_bn_epochs" not in config.get("train", {}):
-        # a run from before train.ema_bn_epochs (within version 3) never recomputed its EMA's statistics:
-        # its config says so (0), which a resume keeps (`config.resolve.resume`)
-        state["config"] = config = {**config, "train": {**config.get("train", {}), "ema_bn_epochs": 0}}
-    if trained and isinstance(config, dict) and "ramp_step" not in config.get("data", {}):
-        # a run from before data.ramp_step (within version 3) grew its crops in 32 px steps
-        state["config"] = {**config, "data": {**config.get("data", {}), "ramp_step": LEGACY_RAMP_STEP}}
+    if trained and isinstance(state.get("config"), dict):  # keys added since: what the run trained with
+        state["config"] = as_trained(state["config"])
     state["format_version"] = FORMAT_VERSION
     return state
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from ddp_cli.config import RunConfig
+from ddp_cli.config.trained_before import TRAINED_BEFORE
 from ddp_cli.errors import ConfigError, DataError
 from ddp_cli.train.checkpoint import (
     FORMAT_VERSION,
-    LEGACY_RAMP_STEP,
     RunState,
     format_version,
     load_checkpoint,
@@ -83,7 +83,7 @@ def test_a_config_from_before_the_ramp_step_key_trained_in_32_px_steps():
     old = written_at(3)
     old["config"] = {**old["config"], "data": {k: v for k, v in old["config"]["data"].items()
                                                if k != "ramp_step"}}
-    assert migrate(old)["config"]["data"]["ramp_step"] == LEGACY_RAMP_STEP == 32
+    assert migrate(old)["config"]["data"]["ramp_step"] == TRAINED_BEFORE["data.ramp_step"] == 32
     current = written_at(3)
     current["config"]["data"]["ramp_step"] = 16
     assert migrate(current)["config"]["data"]["ramp_step"] == 16
