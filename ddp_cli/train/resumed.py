@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_cli.config import RunConfig, config_from_dict
+from ddp_cli.config.resolve import resume
 
 
 def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -85,8 +86,10 @@ def resumed(path: str | Path, saved: dict[str, Any], cfg: RunConfig, lr: float,
             schedule_step: int) -> Resumed:
     """The resume of this run (resolved `cfg`) from checkpoint `saved` (read from `path`), whose next
     step this run takes at `lr`, at `schedule_step` of its schedule. The LR as the run was is the one
-    its optimiser holds for that step."""
+    its optimiser holds for that step. `cfg` goes on reconciled with the checkpoint's (`resume`), as the
+    workers take it, so a dry run says what the run will do."""
     trained = config_from_dict(saved["config"], str(path)) if "config" in saved else cfg
+    cfg = resume(cfg, trained)
     epoch = saved.get("epoch", 0)
     going_on = epoch < cfg.train.epochs
     groups = (saved.get("optimizer") or {}).get("param_groups") or [{"lr": lr}]

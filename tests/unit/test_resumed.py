@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ddp_cli.train.resumed import Resumed, config_changes
+from ddp_cli.config import config_from_dict
+from ddp_cli.config.resolve import Facts, resolve
+from ddp_cli.train.checkpoint import migrate
+from ddp_cli.train.resumed import Resumed, config_changes, resumed
 
 
 def test_config_changes_names_every_dotted_key_that_differs_and_only_those():
@@ -36,3 +39,18 @@ def test_a_finished_run_says_there_is_nothing_to_train_and_how_to_train_on():
                            "nothing to train, result.json left as it was; to train on, resume with "
                            "--set train.epochs=N (N > 8)")
     assert done.as_dict()["finished"] and resume().as_dict()["changes"] == {"train.epochs": [8, 12]}
+
+
+def test_a_run_from_before_the_ramp_step_goes_on_in_its_steps_and_says_nothing_changed():
+    """A checkpoint whose config predates data.ramp_step (migrated: 32 px) against this run's derived
+    step (8 px at 64): `resumed`, which the dry run's plan and the Trainer share, reconciles first, so
+    the plan says what the workers do: no ramp_step change, the epoch's crop as it trained."""
+    cfg = resolve(config_from_dict({"data": {"image_size": 64}, "train": {"epochs": 30}}), Facts())
+    saved = migrate({"rng": [{}], "epoch": 9, "step": 90,
+                     "config": cfg.model_dump(mode="json") | {
+                         "data": {k: v for k, v in cfg.model_dump(mode="json")["data"].items()
+                                  if k != "ramp_step"}}})
+    said = resumed("run/old.pt", saved, cfg, 0.1, 90)
+    assert "data.ramp_step" not in said.changes
+    # epoch 9 of the ramp [3, 18] from 32 px: 32 + 32 * 6/15 = 44.8, 32 in 32 px steps (48 in the rule's 8)
+    assert said.train_size == (32, 32) and cfg.data.ramp_step == 8
