@@ -10,6 +10,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from ddp_cli.config import AugmentConfig, DataConfig, RunConfig, apply_override, config_from_dict, load_config
+from ddp_cli.config.resolve import Facts, resolve
 from ddp_cli.errors import ConfigError
 
 VALID = """\
@@ -302,7 +303,7 @@ def test_a_run_dirs_config_keeps_what_it_trained_with_when_a_default_changes(sec
     written = tomllib.loads(config_from_dict({section: {key: before}}).to_toml())
     assert written[section][key] == before
     assert getattr(getattr(config_from_dict(written), section), key) == before
-    assert getattr(getattr(config_from_dict({}), section), key) == now
+    assert getattr(getattr(resolve(config_from_dict({}), Facts()), section), key) == now
 
 
 @pytest.mark.parametrize(("policy", "interpolation", "bicubic"), [
