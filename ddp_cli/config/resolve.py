@@ -143,8 +143,8 @@ def method_recipe(cfg: RunConfig, facts: Facts) -> dict[str, tuple[Any, str]]:
         out["optim.label_smoothing"] = (0.0, "off under fixmatch: smoothing caps the confidence its fixed "
                                         f"semi.threshold ({semi.threshold:g}) reads")
     if cfg.train.ema_decay == "auto" and not semi.ema_teacher:
-        out["train.ema_decay"] = (0.0, f"no EMA under {semi.method}: the live weights validated as well as or "
-                                  "better than their average, and best.pt serves them")
+        out["train.ema_decay"] = (0.0, f"no EMA under {semi.method}: the live weights validated as well as "
+                                  "or better than their average, and best.pt serves them")
     if semi.method in ADAPTIVE and semi.stats_momentum is None:
         momentum = stats_momentum(cfg, facts.steps_per_epoch)
         out["semi.stats_momentum"] = (momentum, f"1 - 1/{round(1 / (1 - momentum))}: the run's "
