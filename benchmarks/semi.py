@@ -1,17 +1,25 @@
 """The semi-supervised benchmark of BENCHMARKS.md ("Semi-supervised"): each method (FixMatch, FreeMatch,
-SoftMatch) and supervised training on the same 10 labelled demo digits per class, the same labelled steps,
-and the ceiling, in one run.
+SoftMatch) and supervised training on the same few labelled images per class, the same labelled steps, and
+the ceiling, on the demo digits or the photo crops, in one run.
 
-    python benchmarks/semi.py --json [--methods fixmatch,freematch,softmatch]
+    python benchmarks/semi.py --json [--dataset digits|photos] [--labels 10] [--methods fixmatch,...]
+    python benchmarks/semi.py --dataset photos --registry /tmp/photos64/data.toml --labels 2
 
-Runs `ddp train configs/demo-fixmatch.toml` once per method (`semi.method` set, the rest of the train split
-unlabelled); with `semi.method = "none"` (the same 100 labelled images alone, the same epochs of the same
-labelled batches) plus the supervised run's own best settings (`SUPERVISED`); and the same supervised
-settings on every label of the train split, the same epochs (the ceiling: what FixMatch would reach if it
-learnt every hidden label). It reports each one's val top-1 (last and best epoch), each method's mask rate
-(SoftMatch's mean weight) and pseudo-label accuracy, the wall time of each command (start-up included), and
-the share of the gap between the 100-label run and the ceiling that each method closes, (method -
-supervised) / (ceiling - supervised). `--set KEY=VALUE` applies to every run.
+Runs `ddp train` of the data set's config (digits: configs/demo-fixmatch.toml; photos:
+benchmarks/photos-fixmatch.toml, its registry built by benchmarks/make_photo_crops.py as the config
+says) once per method (`semi.method` set, `--labels` images per class labelled, the rest of the train
+split unlabelled); with `semi.method = "none"` (the same labelled images alone, the same epochs of the
+same labelled batches) plus the supervised run's own best settings (`SUPERVISED`); and the same
+supervised settings on every label of the train split (the ceiling: what a method would reach if it
+learnt every hidden label). Under fewer labels than the config's, the epochs grow so that the run takes
+as many labelled steps as the config's own (each epoch has fewer); the ceiling keeps the config's epochs.
+Each keeps the recipe ddp fits to its method (`ddp train --dry-run` says which keys and why).
+
+It reports each run's val top-1 of the weights it serves (best.pt's kind: the EMA's where the run keeps
+one) at the last epoch and the best, each method's mask rate (SoftMatch's mean weight) and pseudo-label
+accuracy, the wall time of each command (start-up included), and the share of the gap between the
+supervised run and the ceiling that each method closes, (method - supervised) / (ceiling - supervised).
+`--set KEY=VALUE` applies to every run.
 """
 
 from __future__ import annotations
@@ -28,44 +36,85 @@ from pathlib import Path
 import tomli_w
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / "configs/demo-fixmatch.toml"
-# the supervised run's best settings found on these 100 labels (BENCHMARKS.md says how they were found):
+CONFIGS = {"digits": REPO / "configs/demo-fixmatch.toml", "photos": REPO / "benchmarks/photos-fixmatch.toml"}
+# the supervised run's best settings found on these labels (BENCHMARKS.md says how they were found):
 # RandAugment (2 ops, magnitude 9) after the crop, as FixMatch's strong views have
 SUPERVISED = ["semi.method=none", "augment.policy=randaugment"]
 METHODS = ("fixmatch", "freematch", "softmatch")
 
 
-def every_label(folder: Path) -> Path:
-    """The recipe without `semi.labels_per_class` (no --set unsets a key): every train image labelled."""
-    raw = tomllib.loads(CONFIG.read_text())
-    del raw["semi"]["labels_per_class"]
-    path = folder / "every-label.toml"
-    path.write_text(tomli_w.dumps(raw))
-    return path
+class Bench:
+    """One data set's runs: its config, registry and scratch folder."""
 
+    def __init__(self, config: Path, registry: str | None, folder: Path, sets: list[str]) -> None:
+        self.config, self.registry, self.folder, self.sets = config, registry, folder, sets
 
-def train(run_dir: Path, overrides: list[str], config: Path = CONFIG) -> tuple[dict, float]:
-    """`ddp train` of `config` with `overrides`: its --json summary and its wall time in seconds."""
-    sets = [arg for item in overrides for arg in ("--set", item)]
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "ddp_cli", "train", str(config), "--run-dir", str(run_dir),
-                           "--json", *sets], cwd=REPO, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - started
-    if done.returncode:
-        sys.exit(f"ddp train {' '.join(sets)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1]), seconds
+    def command(self, config: Path, overrides: list[str], *extra: str) -> list[str]:
+        sets = [arg for item in [*self.sets, *overrides] for arg in ("--set", item)]
+        registry = ["--registry", self.registry] if self.registry else []
+        return [sys.executable, "-m", "ddp_cli", "train", str(config), *registry, "--json", *extra, *sets]
+
+    def ddp(self, args: list[str]) -> tuple[dict, float]:
+        """`ddp train` with `args`: its --json output and its wall time in seconds."""
+        started = time.perf_counter()
+        done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - started
+        if done.returncode:
+            sys.exit(f"{' '.join(args[2:])} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1]), seconds
+
+    def steps_per_epoch(self, overrides: list[str]) -> int:
+        return self.ddp(self.command(self.config, overrides, "--dry-run"))[0]["steps_per_epoch"]
+
+    def train(self, name: str, overrides: list[str], config: Path | None = None) -> dict:
+        summary, seconds = self.ddp(self.command(config or self.config, overrides, "--run-dir",
+                                                 str(self.folder / name)))
+        return row(name, summary, seconds)
+
+    def every_label(self) -> Path:
+        """The recipe without `semi.labels_per_class` (no --set unsets a key): every train image labelled."""
+        raw = tomllib.loads(self.config.read_text())
+        del raw["semi"]["labels_per_class"]
+        path = self.folder / "every-label.toml"
+        path.write_text(tomli_w.dumps(raw))
+        return path
 
 
 def row(name: str, summary: dict, seconds: float) -> dict:
+    """A run's row: the top-1 of the weights it serves (`weights`: the EMA's or the trained ones)."""
+    served = summary["final_ema"] if summary["weights"] == "ema" else summary["final"]
     last = summary["last_epoch"]
-    return {"run": name, "top1": summary["final"]["top1"], "best_top1": summary["best_top1"],
-            "epochs": summary["epochs"], "seconds": round(seconds, 1),
+    return {"run": name, "top1": served["top1"], "best_top1": summary["best_top1"],
+            "weights": summary["weights"], "epochs": summary["epochs"], "seconds": round(seconds, 1),
             **({"mask_rate": last["mask_rate"], "pseudo_label_top1": last["pseudo_label_top1"]}
                if "semi" in summary else {})}
 
 
+def campaign(bench: Bench, labels: int, methods: list[str]) -> dict:
+    """Every method, supervised on the same labels and the ceiling, and each method's share of the gap."""
+    raw = tomllib.loads(bench.config.read_text())
+    epochs = raw["train"]["epochs"]
+    labelled = [f"semi.labels_per_class={labels}"]
+    if labels != raw["semi"]["labels_per_class"]:  # as many labelled steps as the config's own run
+        steps = bench.steps_per_epoch([])
+        epochs = round(epochs * steps / bench.steps_per_epoch(labelled))
+    labelled.append(f"train.epochs={epochs}")
+    supervised = bench.train("supervised", [*labelled, *SUPERVISED])
+    ceiling = bench.train("all_labels", SUPERVISED, bench.every_label())
+    rows = [bench.train(method, [*labelled, f"semi.method={method}"]) for method in methods]
+    gap = ceiling["top1"] - supervised["top1"]
+    for r in rows:
+        r["gap_closed"] = round((r["top1"] - supervised["top1"]) / gap, 3) if gap > 0 else None
+    return {"labels_per_class": labels, "rows": [*rows, supervised, ceiling],
+            "ceiling_points": round(100 * gap, 1), "best": max(rows, key=lambda r: r["top1"])["run"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", choices=sorted(CONFIGS), default="digits",
+                        help="digits (the demo, built on first use) or photos (needs --registry)")
+    parser.add_argument("--registry", help="the data set registry (data.toml) that holds --dataset")
+    parser.add_argument("--labels", type=int, default=10, help="labelled images per class (default 10)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a run config override for every run")
     parser.add_argument("--methods", default=",".join(METHODS),
@@ -75,25 +124,25 @@ def main() -> None:
     methods = args.methods.split(",")
     if unknown := set(methods) - set(METHODS):
         sys.exit(f"--methods: unknown {', '.join(sorted(unknown))}; choose from {', '.join(METHODS)}")
+    if args.dataset == "photos" and not args.registry:
+        sys.exit("--dataset photos: give --registry PATH/data.toml (built as benchmarks/photos-fixmatch.toml "
+                 "says)")
+    if args.labels < 1:
+        sys.exit(f"--labels {args.labels}: give at least 1 labelled image per class")
     with tempfile.TemporaryDirectory(prefix="semi-bench-") as tmp:
-        supervised = row("supervised", *train(Path(tmp) / "supervised", [*args.sets, *SUPERVISED]))
-        ceiling = row("all_labels", *train(Path(tmp) / "all-labels", [*args.sets, *SUPERVISED],
-                                           every_label(Path(tmp))))
-        rows = [row(method, *train(Path(tmp) / method, [*args.sets, f"semi.method={method}"]))
-                for method in methods]
-    gap = ceiling["top1"] - supervised["top1"]
-    for r in rows:
-        r["gap_closed"] = round((r["top1"] - supervised["top1"]) / gap, 3) if gap > 0 else None
-    result = {"rows": [*rows, supervised, ceiling], "ceiling_points": round(100 * gap, 1),
-              "best": max(rows, key=lambda r: r["top1"])["run"]}
+        bench = Bench(CONFIGS[args.dataset], args.registry, Path(tmp), args.sets)
+        result = {"dataset": args.dataset, **campaign(bench, args.labels, methods)}
     if args.json:
         print(json.dumps(result))
         return
-    print("| run | val top-1 (last) | best | epochs | wall s | mask rate | pseudo-label top-1 | gap closed |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"{result['dataset']}, {result['labels_per_class']} labels per class")
+    print("| run | val top-1 (last) | best | weights | epochs | wall s | mask rate | pseudo-label top-1 | "
+          "gap closed |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in result["rows"]:
-        print(f"| {r['run']} | {r['top1']:.4f} | {r['best_top1']:.4f} | {r['epochs']} | {r['seconds']} | "
-              f"{r.get('mask_rate', '')} | {r.get('pseudo_label_top1', '')} | {r.get('gap_closed', '')} |")
+        print(f"| {r['run']} | {r['top1']:.4f} | {r['best_top1']:.4f} | {r['weights']} | {r['epochs']} | "
+              f"{r['seconds']} | {r.get('mask_rate', '')} | {r.get('pseudo_label_top1', '')} | "
+              f"{r.get('gap_closed', '')} |")
     print(f"every label is {result['ceiling_points']} points above the labelled few; best: {result['best']}")
 
 

@@ -20,7 +20,7 @@ import errno
 import logging
 import os
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from torch import nn
 
 from ddp_cli.config import ModelConfig, RunConfig
 from ddp_cli.config.model_names import is_timm_model
-from ddp_cli.config.resolve import Facts, Pretrained, autos, for_inference, resolve
+from ddp_cli.config.resolve import Facts, Pretrained, autos, for_inference, method_recipe, resolve
 from ddp_cli.data.index_build import IndexBuild
 from ddp_cli.data.pipeline.autotune import LoaderChoice, measure_loaders
 from ddp_cli.data.pipeline.device_decode import decodes_on
@@ -95,6 +95,7 @@ class Preflight:
     global_batch: int
     lr: float
     semi_images: tuple[int, int | None] = (0, None)  # (labelled, unlabelled or None) train images
+    fitted: dict[str, str] = field(default_factory=dict)  # keys resolve set for the semi method: why
 
 
 def launch_workers(cfg: RunConfig, opts: LaunchOptions) -> Workers:
@@ -154,6 +155,7 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     labelled, unlabelled = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
     batches = len(labelled) // workers.world_size // cfg.data.batch_size  # as a rank's loader
     facts = replace(facts, steps_per_epoch=count_steps(batches, cfg.train))
+    fitted = {key: f"{value} ({why})" for key, (value, why) in method_recipe(cfg, facts).items()}
     planned = resolve(cfg, facts)  # all but the loader processes: the sizes the model must take
     model = check_model(planned, len(index.classes))
     if run_dir:
@@ -169,7 +171,7 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
         check_unlabelled(len(unlabelled), workers.world_size, cfg)
     return Preflight(cfg, entry, index, model, workers, loaders, resume, facts.steps_per_epoch,
                      cfg.global_batch(workers.world_size), cfg.lr(workers.world_size),
-                     (len(labelled), None if unlabelled is None else len(unlabelled)))
+                     (len(labelled), None if unlabelled is None else len(unlabelled)), fitted)
 
 
 def checkpoint_bytes(cfg: RunConfig, model: nn.Module) -> int:

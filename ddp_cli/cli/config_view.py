@@ -2,8 +2,9 @@
 
 The TOML is the whole config as given, every default written out and each unset key as a
 comment (TOML has no null); the keys ddp derives when a run starts (`config.resolve`: the
-progressive ramp, the val resize, best.pt's metric) are commented as such, so a file saved from it
-derives them again for its own epochs and sizes, and feeding it back to `load_config` gives the same
+progressive ramp, the val resize, best.pt's metric, the smoothing, the semi statistics' momentum) are
+commented as such, so a file saved from it derives them again for its own epochs, sizes and method,
+and feeding it back to `load_config` gives the same
 config. Nothing here touches the data or the registry.
 """
 
@@ -18,7 +19,8 @@ from pydantic import BaseModel
 from ddp_cli.config import RunConfig
 from ddp_cli.config.resolve import DERIVED_KEYS
 
-DERIVED = {*DERIVED_KEYS, "data.min_image_size"}  # left unset here, filled by the run's resolve pass
+# left unset here, filled by the run's resolve pass
+DERIVED = {*DERIVED_KEYS, "data.min_image_size", "semi.stats_momentum"}
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 

@@ -130,7 +130,8 @@ def semi_plan(run: Preflight) -> dict[str, Any]:
             "lambda_u": semi.lambda_u, "temperature": semi.temperature,
             "pseudo_labels_from": "the EMA weights" if semi.ema_teacher else "the model being trained",
             **view_names(run.cfg.data, run.cfg.augment, semi),
-            "forward": "one pass over labelled + weak + strong (BatchNorm sees all)"}
+            "forward": "one pass over labelled + weak + strong (BatchNorm sees all)",
+            "recipe_for_the_method": run.fitted or "none changed (the config sets those keys)"}
 
 
 def rule_plan(semi: SemiConfig) -> dict[str, Any]:

@@ -29,11 +29,12 @@ class SemiConfig(Section):
     )
     threshold: float = Field(0.95, ge=0, le=1, description="fixmatch: a pseudo-label counts where the weak "
                              "view's top probability reaches this.")
-    stats_momentum: float = Field(
-        0.999, ge=0, lt=1, description="freematch, softmatch: momentum of the running statistics of the "
+    stats_momentum: float | None = Field(
+        None, ge=0, lt=1, description="freematch, softmatch: momentum of the running statistics of the "
         "weak views' confidence (an EMA over every rank's micro-batches: FreeMatch's threshold and class "
-        "means, SoftMatch's mean, variance and mean prediction); the papers' 0.999. Lower follows the "
-        "model faster in a short run.",
+        "means, SoftMatch's mean, variance and mean prediction). Unset = 1 - 1/horizon, the horizon a "
+        "thousandth of the run's micro-steps within 100-1000: the papers' 0.999 from a million steps, "
+        "0.99 under 100,000 (a short run's statistics would hardly leave their start at 0.999).",
     )
     fairness_weight: float = Field(0.01, ge=0, description="freematch: weight of the self-adaptive "
                                    "class-fairness loss (the paper's lambda_f, USB's ent_loss_ratio: "
@@ -159,11 +160,12 @@ class OptimConfig(Section):
     decay_norm_and_bias: bool = Field(
         False, description="Also decay BatchNorm/LayerNorm weights and biases."
     )
-    label_smoothing: float = Field(
-        0.1, ge=0, lt=1, description="Cross-entropy label smoothing of the training loss (validation's loss "
-        "is plain). 0.1 by default, as timm's and torchvision's recipes: it keeps the logits from growing "
-        "without bound on data the model already fits (its measured worth: docs/recipes.md); 0 for the plain "
-        "loss.",
+    label_smoothing: float | None = Field(
+        None, ge=0, lt=1, description="Cross-entropy label smoothing of the training loss (validation's loss "
+        "is plain): it keeps the logits from growing without bound on data the model already fits (its "
+        "measured worth: docs/recipes.md); 0 for the plain loss. Unset = 0.1, as timm's and torchvision's "
+        "recipes, except under semi.method = \"fixmatch\": 0 there (smoothing caps the confidence its fixed "
+        "threshold reads: docs/semi-supervised.md).",
     )
     betas: list[float] = Field([0.9, 0.999], description="AdamW and LAMB moment decay rates [beta1, beta2].")
     trust_coefficient: float = Field(

@@ -25,7 +25,8 @@ class TrainConfig(Section):
     ema_decay: Annotated[float, Field(ge=0, lt=1)] | Literal["auto"] = Field(
         "auto", description="EMA of the weights, updated every ema_every_steps steps, validated each "
         "epoch as final_ema (0 = off; e.g. 0.9998). auto = 1 - 1/max(100, steps per epoch): an average "
-        "over about an epoch, written out in the run dir's config.toml.",
+        "over about an epoch (none under a semi.method without semi.ema_teacher: the live weights served "
+        "as well or better there, docs/semi-supervised.md), written out in the run dir's config.toml.",
     )
     ema_every_steps: int = Field(
         1, ge=1, description="Update the EMA every N steps, with decay ema_decay ** N (the same "

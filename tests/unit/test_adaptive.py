@@ -15,6 +15,14 @@ from syncs import HostSyncs
 from ddp_cli.config import SemiConfig
 from ddp_cli.train.adaptive import FreeMatch, SoftMatch
 
+
+def rule_of(method: str, **keys) -> FreeMatch | SoftMatch:
+    """The method's rule at the papers' momentum, 0.999 (a resolved config holds a number; unset, the
+    resolve pass derives it from the run's steps)."""
+    return (FreeMatch if method == "freematch" else SoftMatch)(SemiConfig(method=method, stats_momentum=0.999,
+                                                                          **keys))
+
+
 # 4 weak views of 2 classes: top probabilities 0.9, 0.6, 0.7, 0.8 (mean 0.75), classes 0, 0, 0, 1
 PROBS = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.7, 0.3], [0.2, 0.8]])
 # the strong views' probabilities, as logits: their classes 0, -, 1, 1 (the second one, masked out)
@@ -49,7 +57,7 @@ def test_freematch_s_fairness_term_is_zero_where_nothing_passes_and_off_at_weigh
     rule.load_state_dict({"tau": [1.0], "p_model": [0.5, 0.5], "label_hist": [0.5, 0.5]})
     _, mask, fair = rule.select(PROBS, STRONG)  # tau = 0.9 + 0.1 x 0.75 = 0.975: none passes
     assert mask.sum().item() == 0 and fair.item() == 0
-    assert FreeMatch(SemiConfig(method="freematch", fairness_weight=0)).select(PROBS, STRONG)[2] is None
+    assert rule_of("freematch", fairness_weight=0).select(PROBS, STRONG)[2] is None
 
 
 def test_softmatch_s_mean_variance_weights_and_distribution_alignment_by_hand():
@@ -88,7 +96,7 @@ def test_softmatch_s_mean_variance_weights_and_distribution_alignment_by_hand():
 def test_the_statistics_round_trip_through_a_checkpoint_s_lists_exactly(method):
     """A rule loaded with another's state_dict (plain floats, as RunState saves them) continues exactly."""
     rules = {"freematch": FreeMatch, "softmatch": SoftMatch}
-    semi = SemiConfig(method=method)
+    semi = SemiConfig(method=method, stats_momentum=0.999)
     first = rules[method](semi)
     g = torch.Generator().manual_seed(0)
     batches = [torch.softmax(torch.randn(8, 3, generator=g) * 3, dim=1) for _ in range(3)]
@@ -105,7 +113,7 @@ def test_the_statistics_round_trip_through_a_checkpoint_s_lists_exactly(method):
 @pytest.mark.parametrize("method", ["freematch", "softmatch"])
 def test_a_rule_reads_nothing_back_to_the_host_until_a_record_or_a_save(method):
     cpu = torch.device("cpu")
-    rule = (FreeMatch if method == "freematch" else SoftMatch)(SemiConfig(method=method))
+    rule = rule_of(method)
     with HostSyncs(cpu) as syncs:
         for _ in range(2):  # the first makes the statistics, the second moves them
             probs = PROBS.clone().to(cpu, non_blocking=True)
@@ -126,7 +134,7 @@ def two_ranks(rank: int, store: str, method: str, out: str) -> None:
     """A rank of a 2-process gloo world: two micro-steps of its own batch, then its statistics saved."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        rule = (FreeMatch if method == "freematch" else SoftMatch)(SemiConfig(method=method))
+        rule = rule_of(method)
         for _ in range(2):
             probs = rank_batch(rank)
             rule.select(probs, probs.log())
@@ -153,7 +161,7 @@ def test_every_rank_holds_the_same_statistics_the_global_batch_s_as_one_process_
                 process.kill()
     flat = [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(2)]
     assert torch.equal(flat[0], flat[1])  # bit for bit: a resume at another world size keeps them
-    one = (FreeMatch if method == "freematch" else SoftMatch)(SemiConfig(method=method))
+    one = rule_of(method)
     for _ in range(2):
         probs = torch.cat([rank_batch(0), rank_batch(1)])
         one.select(probs, probs.log())

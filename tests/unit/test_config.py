@@ -10,6 +10,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from ddp_cli.config import AugmentConfig, DataConfig, RunConfig, apply_override, config_from_dict, load_config
+from ddp_cli.config.resolve import Facts, resolve
 from ddp_cli.errors import ConfigError
 
 VALID = """\
@@ -246,11 +247,11 @@ def test_an_override_value_may_hold_an_equals_sign():
 
 
 def test_progressive_sizes_are_every_train_crop_and_the_val_crop():
-    cfg = DataConfig(image_size=256, min_image_size=128, ramp_epochs=[2, 6], val_image_size=288)
+    cfg = DataConfig(image_size=256, min_image_size=128, ramp_epochs=[2, 6], val_image_size=288, ramp_step=32)
     assert cfg.sizes(8) == {128, 160, 192, 224, 256, 288}
     assert cfg.sizes(3) == {128, 288}
     assert DataConfig(image_size=224).sizes(3) == {224}
-    off_grid = DataConfig(image_size=128, min_image_size=48, ramp_epochs=[2, 6])
+    off_grid = DataConfig(image_size=128, min_image_size=48, ramp_epochs=[2, 6], ramp_step=32)
     assert [off_grid.train_size(e) for e in (1, 2, 3)] == [48, 48, 64]  # the ramp's first epoch: still 48
 
 
@@ -302,7 +303,7 @@ def test_a_run_dirs_config_keeps_what_it_trained_with_when_a_default_changes(sec
     written = tomllib.loads(config_from_dict({section: {key: before}}).to_toml())
     assert written[section][key] == before
     assert getattr(getattr(config_from_dict(written), section), key) == before
-    assert getattr(getattr(config_from_dict({}), section), key) == now
+    assert getattr(getattr(resolve(config_from_dict({}), Facts()), section), key) == now
 
 
 @pytest.mark.parametrize(("policy", "interpolation", "bicubic"), [

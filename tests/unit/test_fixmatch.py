@@ -312,6 +312,17 @@ def test_the_dry_run_refuses_what_the_data_set_cannot_give_in_one_line(with_unla
     assert semi["unlabelled_from"] == "the registry's unlabeled split"
     assert semi["strong"][-2:] == ["RandAugment(num_ops=2, magnitude=random 1-30)", "Cutout(up to 0.5 of the "
                                    "side, grey)"]
+    # the keys the resolve pass fitted to the method, each with its reason; none where the config sets them
+    fitted = semi["recipe_for_the_method"]
+    assert fitted.keys() == {"optim.label_smoothing", "train.ema_decay"}
+    assert fitted["optim.label_smoothing"].startswith("0.0 (off under fixmatch: smoothing caps the")
+    assert json.loads(plan.stdout)["recipe"]["label_smoothing"] == 0.0
+    sets = ("semi.method=softmatch", "semi.mu=2", "optim.label_smoothing=0.1", "train.ema_decay=0.99")
+    given = ddp_in_process("train", str(config), "--registry", str(with_unlabeled), "--dry-run", "--json",
+                           *(arg for key in sets for arg in ("--set", key)))
+    fitted = json.loads(given.stdout)["semi"]["recipe_for_the_method"]
+    assert fitted.keys() == {"semi.stats_momentum"}
+    assert fitted["semi.stats_momentum"].startswith("0.99 (1 - 1/100")
 
 
 def test_ddp_report_summarises_and_draws_fixmatch_s_curves(tmp_path):

@@ -78,7 +78,8 @@ def test_supervised_is_cross_entropy_on_the_normalised_batch_with_the_run_s_smoo
 def test_mixing_trains_on_the_step_s_mix_against_its_mixed_labels():
     """The step number seeds the draw: the loss is that of the mix drawn for `step`, and another step's
     mix gives another loss (at mix_prob 1, every step mixes)."""
-    cfg = make_config({"data": {"image_size": SIZE}, "augment": {"mixup_alpha": 0.4, "mix_prob": 1.0}})
+    cfg = make_config({"data": {"image_size": SIZE}, "augment": {"mixup_alpha": 0.4, "mix_prob": 1.0},
+                       "optim": {"label_smoothing": 0.1}})
     objective, model, batch = Supervised(cfg, CPU, "fp32"), tiny_model(), labelled(2, 4)
     x = to_model_input(batch.images, CPU, cfg.model.channels_last, normalising(cfg.data))
     for step in (3, 4):

@@ -22,6 +22,7 @@ from ddp_cli.config.resolve import (
     decode_pending,
     default_min_image_size,
     for_inference,
+    method_recipe,
     prefetch_for,
     ramp_step,
     require_resolved,
@@ -74,6 +75,62 @@ def test_best_pt_follows_the_ema_by_default_and_the_trained_weights_without_one(
     # a --set or a sweep's trial that turns the EMA off before the pass: derived from what it says
     off = config_from_dict({}).resolved({"train.ema_decay": 0})
     assert resolve(off, Facts()).checkpoint.best_metric == "top1"
+
+
+@pytest.mark.parametrize(("method", "smoothing", "decay", "best"), [
+    ("none", 0.1, 0.99, "ema_top1"),  # the default recipe: smoothing, an EMA that best.pt serves
+    ("fixmatch", 0.0, 0.0, "top1"),  # a fixed threshold on the confidence: no smoothing; the live weights
+    ("freematch", 0.1, 0.0, "top1"),  # a threshold that follows the confidence: smoothing kept
+    ("softmatch", 0.1, 0.0, "top1"),
+])
+def test_a_semi_method_gets_the_recipe_fitted_to_it_where_the_config_leaves_the_keys_to_ddp(
+        method, smoothing, decay, best):
+    """Unset smoothing and an "auto" EMA under a semi-supervised method: the values measured for it
+    (docs/semi-supervised.md), each with the plan's reason; given ones, and the EMA a teacher needs, kept."""
+    cfg = resolved({"semi": {"method": method}})
+    assert config_from_dict({}).optim.label_smoothing is None  # unset until resolved
+    assert (cfg.optim.label_smoothing, cfg.train.ema_decay, cfg.checkpoint.best_metric) == (
+        smoothing, pytest.approx(decay), best)
+    fitted = method_recipe(config_from_dict({"semi": {"method": method}}), Facts(steps_per_epoch=22))
+    assert ("optim.label_smoothing" in fitted) is (method == "fixmatch")
+    assert ("train.ema_decay" in fitted) is (method != "none")
+    assert all(isinstance(why, str) and why for _, why in fitted.values())
+    given = {"semi": {"method": method}, "optim": {"label_smoothing": 0.05}, "train": {"ema_decay": 0.9}}
+    assert (lambda c: (c.optim.label_smoothing, c.train.ema_decay))(resolved(given)) == (0.05, 0.9)
+    assert method_recipe(config_from_dict(given), Facts()).keys() <= {"semi.stats_momentum"}
+    if method != "none":  # the EMA teacher's pseudo-labels need an EMA: "auto" keeps its horizon
+        teacher = resolved({"semi": {"method": method, "ema_teacher": True}})
+        assert teacher.train.ema_decay == pytest.approx(0.99)
+
+
+@pytest.mark.parametrize(("steps", "epochs", "accum", "momentum"), [
+    (12, 12, 1, 0.99),  # the demo's 144 micro-steps: 100, the floor
+    (1000, 100, 1, 0.99),  # 100,000
+    (1000, 100, 5, 1 - 1 / 500),  # 500,000 micro-steps
+    (1000, 1000, 1, 0.999),  # a million, the papers': 0.999
+    (1000, 10000, 1, 0.999),  # beyond: the papers' still
+])
+def test_the_semi_statistics_momentum_follows_the_runs_micro_steps(steps, epochs, accum, momentum):
+    """semi.stats_momentum unset: 1 - 1/horizon, the horizon 1/1000 of the micro-steps within 100-1000;
+    derived only for the methods that read it (a fixmatch run's config.toml leaves it unset); given, kept."""
+    for method in ("freematch", "softmatch"):
+        raw = {"semi": {"method": method}, "train": {"epochs": epochs, "grad_accum": accum}}
+        assert resolved(raw, steps).semi.stats_momentum == pytest.approx(momentum)
+        given = {**raw, "semi": {"method": method, "stats_momentum": 0.9}}
+        assert resolved(given, steps).semi.stats_momentum == 0.9
+    for method in ("none", "fixmatch"):
+        cfg = resolved({"semi": {"method": method}})
+        assert cfg.semi.stats_momentum is None and autos(cfg) == set()
+    assert autos(config_from_dict({"semi": {"method": "softmatch"}})) >= {"semi.stats_momentum"}
+
+
+def test_a_resolved_semi_config_resolves_to_itself():
+    """A semi run's config.toml holds the values fitted to its method: read back (a resume) on other
+    facts, the pass changes none of them."""
+    for method in ("fixmatch", "freematch", "softmatch"):
+        cfg = resolved({"semi": {"method": method}, "train": {"epochs": 12}}, 12)
+        again = config_from_dict(tomllib.loads(cfg.to_toml()))
+        assert resolve(again, Facts(steps_per_epoch=99_999)) == again == cfg
 
 
 @pytest.mark.parametrize(("sections", "steps", "epochs"), [
