@@ -129,4 +129,4 @@ def test_a_saved_config_show_derives_its_ramp_again_for_its_own_epochs(nowhere):
     saved = nowhere / "saved.toml"
     saved.write_text(result.stdout)
     longer = resolve(load_config(saved, ["train.epochs=16"]), Facts(steps_per_epoch=22))
-    assert longer.data.ramp_epochs == [6.4, 16.0]
+    assert longer.data.ramp_epochs == [1.6, 9.6]
