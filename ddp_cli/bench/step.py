@@ -140,7 +140,8 @@ def loader(spec: StepSpec, as_float: bool) -> DataLoader:
 
 def step_config(spec: StepSpec, precision: str, channels_last: bool,
                 overrides: tuple[str, ...] = ()) -> RunConfig:
-    """The run config of the timed step; `overrides` as `--set` takes them."""
+    """The run config of the timed step, resolved as a worker resolves it (every row times the same
+    loss and optimizer); `overrides` as `--set` takes them."""
     raw = {
         "data": {"batch_size": spec.batch_size, "image_size": spec.image_size,
                  "workers": spec.loader_workers},
@@ -150,7 +151,10 @@ def step_config(spec: StepSpec, precision: str, channels_last: bool,
     }
     for item in overrides:
         apply_override(raw, item)
-    return RunConfig.model_validate(raw)
+    device, world = bench_device(spec), dist.get_world_size() if dist.is_initialized() else 1
+    facts = Facts(device.type, native_precision(device), world, len(loader(spec, as_float=False)),
+                  takes_any_size(spec.model), loader_workers=spec.loader_workers)
+    return resolve(RunConfig.model_validate(raw), facts)
 
 
 def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
@@ -163,9 +167,7 @@ def ddp_trainer(spec: StepSpec, precision: str, channels_last: bool,
     torch.manual_seed(0)
     model = build_model(cfg.model, spec.classes, spec.image_size)
     train = loader(spec, as_float=False)
-    facts = Facts(device.type, native_precision(device), world, len(train), takes_any_size(spec.model),
-                  loader_workers=spec.loader_workers)
-    return Trainer(resolve(cfg, facts), ctx, model, Loaders(train, None, None), len(train), checkpointer)
+    return Trainer(cfg, ctx, model, Loaders(train, None, None), len(train), checkpointer)
 
 
 def ddp_step(spec: StepSpec, precision: str, channels_last: bool,
