@@ -235,9 +235,9 @@ def ema_bn_epochs(cfg: RunConfig, decay: float, steps_per_epoch: int) -> int:
 
 
 def progressive_defaults(cfg: RunConfig, takes_any_size: bool) -> dict[str, Any]:
-    """The default recipe's progressive resizing made concrete (progressive, min_image_size, ramp_epochs)
-    where the config leaves it to ddp: a first crop given, the ramp follows the run's epochs; none given,
-    `default_min_image_size` decides whether it is on."""
+    """The default recipe's progressive resizing made concrete (progressive, min_image_size, ramp_epochs,
+    ramp_step) where the config leaves it to ddp: a first crop given, the ramp follows the run's epochs;
+    none given, `default_min_image_size` decides whether it is on."""
     data = cfg.data
     off = {"data.progressive": bool(data.progressive), "data.ramp_epochs": data.ramp_epochs or [0, 0],
            "data.ramp_step": data.ramp_step or ramp_step(data.image_size)}
