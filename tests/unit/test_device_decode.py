@@ -83,19 +83,26 @@ def test_device_path_matches_the_dct_scaled_cpu_path_on_average():
     assert diff.mean() <= 3 and diff.flatten().quantile(0.99) <= 10
 
 
-def test_device_path_with_every_augmentation_draws_as_the_cpu_path_and_lands_close():
-    """The same draws (the RNG ends in the same state), the same ops; v2's tensor kernels against PIL's:
-    1.5 levels on average (rotations' edges differ most)."""
-    data = DataConfig(image_size=96)
-    cpu, deferred = train_transform(data, EVERYTHING), train_transform(data, EVERYTHING, defer=True)
+def drawn_alike(cpu, deferred, files) -> tuple[list, list]:
+    """Each file through the CPU transform and the deferred one from the same seed; the deferred path
+    must leave torch's RNG where the CPU path does (the same draws)."""
     ours, theirs = [], []
-    for seed, file in enumerate(FILES * 3):
+    for seed, file in enumerate(files):
         torch.manual_seed(seed)
         ours.append(cpu(open_image(file)))
         after_cpu = torch.get_rng_state()
         torch.manual_seed(seed)
         theirs.append(deferred(open_image(file)))
         assert torch.equal(torch.get_rng_state(), after_cpu)
+    return ours, theirs
+
+
+def test_device_path_with_every_augmentation_draws_as_the_cpu_path_and_lands_close():
+    """The same draws (the RNG ends in the same state), the same ops; v2's tensor kernels against PIL's:
+    1.5 levels on average (rotations' edges differ most)."""
+    data = DataConfig(image_size=96)
+    cpu, deferred = train_transform(data, EVERYTHING), train_transform(data, EVERYTHING, defer=True)
+    ours, theirs = drawn_alike(cpu, deferred, FILES * 3)
     assert any(item.plan.steps[0] for item in theirs) and any(item.plan.steps[1] for item in theirs)
     diff = (torch.stack(ours).int() - collate_images(theirs).to(CPU).int()).abs().float()
     assert diff.mean() <= 1.5
@@ -260,14 +267,7 @@ def test_fixmatch_s_two_views_deferred_draw_as_the_cpu_path_and_land_close():
     both decode whole images); the strong view's RandAugment and Cutout through v2's tensor kernels against
     PIL's, 1.5 levels on average (rotations' and shears' edges differ most: no bitwise match across them)."""
     cpu, deferred = two_views(defer=False), two_views(defer=True)
-    ours, theirs = [], []
-    for seed, file in enumerate(FILES * 4):
-        torch.manual_seed(seed)
-        ours.append(cpu(open_image(file)))
-        after_cpu = torch.get_rng_state()
-        torch.manual_seed(seed)
-        theirs.append(deferred(open_image(file)))
-        assert torch.equal(torch.get_rng_state(), after_cpu)
+    ours, theirs = drawn_alike(cpu, deferred, FILES * 4)
     assert all(isinstance(t, Deferred) and len(t.plans) == 2 for t in theirs)
     assert all(not t.plan.steps for t in theirs) and all(t.more[0].steps[1] for t in theirs)  # Cutout each
     rendered = collate_images(theirs).to(CPU)
