@@ -20,7 +20,7 @@ from ddp_cli.config import RunConfig
 from ddp_cli.config.resolve import DERIVED_KEYS
 
 # left unset here, filled by the run's resolve pass
-DERIVED = {*DERIVED_KEYS, "data.min_image_size", "semi.stats_momentum"}
+DERIVED = {*DERIVED_KEYS, "data.min_image_size", "data.end_image_size", "semi.stats_momentum"}
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 

@@ -103,13 +103,13 @@ def mixing(aug: AugmentConfig) -> list[str]:
 
 def recipe(cfg: RunConfig) -> dict[str, Any]:
     """Which elements of the fast recipe this run has on (docs/recipes.md), each by its key's value."""
-    data = cfg.data
+    data, last_crop = cfg.data, cfg.data.train_size(cfg.train.epochs - 1)
     return {
         "blurpool": cfg.model.blurpool,
         "zero_init_residual": cfg.model.zero_init_residual,
         "label_smoothing": cfg.optim.label_smoothing,
         "progressive_resizing": data.train_size(0) < data.image_size,
-        "test_above_train_size": (data.val_image_size or data.image_size) > data.image_size,
+        "test_above_train_size": (data.val_image_size or data.image_size) > last_crop,
         "ema": cfg.train.ema_decay != 0,
         "ema_bn_epochs": cfg.train.ema_bn_epochs,
     }

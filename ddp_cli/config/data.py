@@ -97,21 +97,30 @@ class DataConfig(Section):
     )
     progressive: bool | None = Field(
         None, description="Progressive resizing (FFCV, Composer): the first epochs train on a smaller "
-        "crop, raised to image_size in steps of ramp_step px, the last epochs at image_size. Unset = on "
+        "crop, raised in steps of ramp_step px to end_image_size, the last epochs there. Unset = on "
         "for torchvision's CNNs and resnet_tiny at image_size >= 32 and without FixMatch: min_image_size, "
-        "ramp_epochs and ramp_step then default to 0.5 x image_size (at least 24 px), a ramp from 10% to "
-        "60% of the run and steps of an eighth of image_size (docs: recipes, \"The default recipe\"); "
+        "ramp_epochs, ramp_step and end_image_size then default to 0.5 x image_size (at least 24 px), a "
+        "ramp from 10% to 60% of the run, steps of an eighth of image_size and FixRes' end (docs: recipes, "
+        "\"The default recipe\"); "
         "false = every epoch at image_size; true = on for any model and size.",
     )
     min_image_size: int | None = Field(
         None, ge=8, description="Progressive resizing: the train crop of the first epochs, raised to "
-        "image_size over ramp_epochs in steps of ramp_step px. Unset = 0.5 x image_size to a multiple of 8 "
-        "px, at least 24, where data.progressive is on by default, else no progressive resizing.",
+        "end_image_size over ramp_epochs in steps of ramp_step px. Unset = 0.5 x image_size to a multiple "
+        "of 8 px, at least 24, where data.progressive is on by default, else no progressive resizing.",
     )
     ramp_epochs: list[float] | None = Field(
         None, description="Progressive resizing: [start, end] epochs of the ramp from "
-        "min_image_size to image_size (unset: 10% and 60% of train.epochs, whether min_image_size is "
-        "given or derived; every epoch from the end on trains at image_size).",
+        "min_image_size to end_image_size (unset: 10% and 60% of train.epochs, whether min_image_size is "
+        "given or derived; every epoch from the end on trains at end_image_size).",
+    )
+    end_image_size: int | None = Field(
+        None, ge=8, description="Progressive resizing: the train crop from the ramp's end on (the ramp "
+        "rises from min_image_size to it). Unset = the side at which the average random crop shows "
+        "objects as large as validation's resize does (FixRes, Touvron et al. 2019): the mean of "
+        "sqrt(crop scale) over [min_crop_scale, 1] x val_resize, to a multiple of 8 px, within "
+        "[min_image_size, image_size] (56 px at 64, 96 at 112, 200 at 224); ignored where progressive "
+        "resizing is off (every epoch at image_size); a given one turns it on, as min_image_size does.",
     )
     ramp_step: int | None = Field(
         None, ge=RAMP_ALIGN, description="Progressive resizing: the crop grows in steps of this many px "
@@ -136,9 +145,10 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _progressive_off_alone(self) -> DataConfig:
-        if self.progressive is False and self.min_image_size is not None:
-            raise ValueError("min_image_size is set while progressive = false (progressive resizing off): "
-                             "unset data.min_image_size, or set data.progressive = true")
+        for key in ("min_image_size", "end_image_size"):
+            if self.progressive is False and getattr(self, key) is not None:
+                raise ValueError(f"{key} is set while progressive = false (progressive resizing off): "
+                                 f"unset data.{key}, or set data.progressive = true")
         return self
 
     @model_validator(mode="after")
@@ -146,21 +156,30 @@ class DataConfig(Section):
         if self.min_image_size is not None and self.min_image_size > self.image_size:
             raise ValueError(f"min_image_size {self.min_image_size} is above image_size "
                              f"{self.image_size}; progressive resizing only grows the crop")
+        end = self.end_image_size
+        if end is not None and not (self.min_image_size or 0) <= end <= self.image_size:
+            raise ValueError(f"end_image_size {end} is outside [min_image_size, image_size] = "
+                             f"[{self.min_image_size or 8}, {self.image_size}]; progressive resizing "
+                             "only grows the crop, up to image_size")
         return self
 
     def train_size(self, epoch: int) -> int:
         """The train crop side in 0-based `epoch`: min_image_size until the ramp starts,
-        image_size from its end, in between the interpolation rounded to ramp_step (as FFCV)."""
+        end_image_size from its end, in between the interpolation rounded to ramp_step (as FFCV);
+        image_size every epoch without progressive resizing."""
         low = self.min_image_size
-        if low is None or self.ramp_epochs is None or epoch >= self.ramp_epochs[1]:
+        if low is None or self.ramp_epochs is None:
             return self.image_size
+        top = self.end_image_size or self.image_size
         start, end = self.ramp_epochs
+        if epoch >= end:
+            return top
         if epoch <= start:
             return low
         if self.ramp_step is None:
             raise ValueError("data.ramp_step is unset: train sizes need a resolved config (config.resolve)")
-        between = low + (self.image_size - low) * (epoch - start) / (end - start)
-        return min(self.image_size, max(low, round(between / self.ramp_step) * self.ramp_step))
+        between = low + (top - low) * (epoch - start) / (end - start)
+        return min(top, max(low, round(between / self.ramp_step) * self.ramp_step))
 
     def sizes(self, epochs: int) -> set[int]:
         """Every input side the model meets: each epoch's train crop and the val crop (after the ramp's

@@ -11,8 +11,9 @@ the run uses and writes out as its run dir's config.toml. Nothing else fills the
   both paths on the run's own data (`decode_measured` makes their choice concrete; a resume keeps
   the checkpoint's, `resume`);
 - `data.workers` / `data.prefetch_factor` "auto": the measured rule (`data.pipeline.autotune`);
-- `data.progressive`, `data.min_image_size`, `data.ramp_epochs`, `data.ramp_step` unset: the default
-  recipe's progressive resizing (`progressive_defaults`);
+- `data.progressive`, `data.min_image_size`, `data.ramp_epochs`, `data.ramp_step`, `data.end_image_size`
+  unset: the default recipe's progressive resizing (`progressive_defaults`), ending at FixRes' size
+  (`fixres_size`);
 - `data.val_resize` unset: the val crop over VAL_CROP_SHARE (or a timm model's crop_pct);
 - `train.ema_decay` "auto": an average over about an epoch of steps, at least EMA_HORIZON (none under a
   semi-supervised method without an EMA teacher: `method_recipe`);
@@ -39,7 +40,7 @@ VAL_CROP_SHARE = 0.875  # val: the centre crop's share of the resized side (224 
 PROGRESSIVE_FROM = 32  # the smallest image_size progressive resizing is on for by default
 PROGRESSIVE_SCALE = 0.5  # the default first crop, of image_size (Composer's initial_scale)
 PROGRESSIVE_FLOOR = 24  # ... and at least this: below it a small image loses the detail its classes live in
-PROGRESSIVE_RAMP = (0.1, 0.6)  # the default ramp, in fractions of the epochs: the last 40% at image_size
+PROGRESSIVE_RAMP = (0.1, 0.6)  # the default ramp, in fractions of the epochs: the last 40% at its end size
 RAMP_STEPS = 8  # the ramp's step: image_size over this, to a multiple of RAMP_ALIGN
 EMA_HORIZON = 100  # train.ema_decay "auto": averages over an epoch of steps, at least this many
 AUTO_KEYS = ("train.precision", "data.decode", "data.workers", "data.prefetch_factor", "train.ema_decay",
@@ -106,9 +107,9 @@ def resolve(cfg: RunConfig, facts: Facts) -> RunConfig:
     if facts.pretrained is not None:
         changes |= pretrained_settings(cfg, facts.pretrained)
     data = cfg.resolved(changes).data if changes else cfg.data
-    changes |= progressive_defaults(cfg, facts.takes_any_size)
-    if data.val_resize is None:
-        changes["data.val_resize"] = round((data.val_image_size or data.image_size) / VAL_CROP_SHARE)
+    val_resize = data.val_resize or round((data.val_image_size or data.image_size) / VAL_CROP_SHARE)
+    changes["data.val_resize"] = val_resize
+    changes |= progressive_defaults(cfg, facts.takes_any_size, val_resize)
     if cfg.train.precision == "auto":
         changes["train.precision"] = facts.native_precision
     if cfg.data.decode == "auto" and (not facts.gpu_decode or cfg.bicubic_replay()):
@@ -180,16 +181,26 @@ def resume(cfg: RunConfig, trained: RunConfig) -> RunConfig:
     takes the path the checkpoint trained with (no measurement: its pixels are the path's), and a
     run that trained without recomputing its EMA's BatchNorm statistics (`train.ema_bn_epochs = 0`,
     which `migrate` gives a checkpoint from before the key) goes on without, and progressive resizing
-    keeps the step it trained with (32 px, which `migrate` gives a checkpoint from before
-    data.ramp_step) unless the config names another than the rule's."""
+    keeps the step and the end it trained with (32 px and image_size, which `migrate` gives a checkpoint
+    from before data.ramp_step and data.end_image_size) unless the config names others than the rule's."""
     if decode_pending(cfg) and not decode_pending(trained):
         cfg = decode_measured(cfg, trained.data.decode)
-    if trained.data.ramp_step not in (None, cfg.data.ramp_step) and (
-            cfg.data.ramp_step == ramp_step(cfg.data.image_size)):  # derived, or named as the rule says
-        cfg = cfg.resolved({"data.ramp_step": trained.data.ramp_step})
+    for key, rule in ramp_rules(cfg).items():
+        saved = trained.value(key)
+        if saved not in (None, cfg.value(key)) and cfg.value(key) == rule:  # derived, or named as the rule
+            cfg = cfg.resolved({key: saved})
     if trained.train.ema_bn_epochs == 0 and cfg.train.ema_bn_epochs != 0:
         return cfg.resolved({"train.ema_bn_epochs": 0})
     return cfg
+
+
+def ramp_rules(cfg: RunConfig) -> dict[str, int]:
+    """The ramp's keys a resume keeps from its checkpoint, each with what the rule derives for `cfg`."""
+    data = cfg.data
+    rules = {"data.ramp_step": ramp_step(data.image_size)}
+    if data.min_image_size is not None and data.val_resize is not None:
+        rules["data.end_image_size"] = fixres_size(data, data.min_image_size, data.val_resize)
+    return rules
 
 
 def for_inference(cfg: RunConfig, native_precision: str, loader_workers: int,
@@ -234,22 +245,36 @@ def ema_bn_epochs(cfg: RunConfig, decay: float, steps_per_epoch: int) -> int:
     return min(round(1 / (1 - decay)) // max(steps_per_epoch, 1), cfg.train.epochs)
 
 
-def progressive_defaults(cfg: RunConfig, takes_any_size: bool) -> dict[str, Any]:
+def progressive_defaults(cfg: RunConfig, takes_any_size: bool, val_resize: int) -> dict[str, Any]:
     """The default recipe's progressive resizing made concrete (progressive, min_image_size, ramp_epochs,
-    ramp_step) where the config leaves it to ddp: a first crop given, the ramp follows the run's epochs;
-    none given, `default_min_image_size` decides whether it is on."""
+    ramp_step, end_image_size) where the config leaves it to ddp: a first crop given, the ramp follows
+    the run's epochs; none given, `default_min_image_size` decides whether it is on. It ends at
+    `fixres_size` unless the config names its end."""
     data = cfg.data
     off = {"data.progressive": bool(data.progressive), "data.ramp_epochs": data.ramp_epochs or [0, 0],
            "data.ramp_step": data.ramp_step or ramp_step(data.image_size)}
     if data.progressive is False:
         return off
     ramp = data.ramp_epochs or [round(cfg.train.epochs * share, 2) for share in PROGRESSIVE_RAMP]
-    if data.min_image_size is not None:
-        return off | {"data.progressive": True, "data.ramp_epochs": ramp}
-    start = default_min_image_size(data, takes_any_size and not cfg.semi.on())
-    if start is None or ramp[-1] == 0:  # off: a ramp ending at 0, or the default leaves it off
-        return off
-    return off | {"data.progressive": True, "data.min_image_size": start, "data.ramp_epochs": ramp}
+    start = data.min_image_size or default_min_image_size(data, takes_any_size and not cfg.semi.on())
+    if start is None or (ramp[-1] == 0 and data.min_image_size is None):  # off: a ramp ending at 0, or
+        return off  # the default leaves it off
+    end = data.end_image_size or fixres_size(data, start, val_resize)
+    return off | {"data.progressive": True, "data.min_image_size": min(start, end),
+                  "data.end_image_size": end, "data.ramp_epochs": ramp}
+
+
+def fixres_size(data: DataConfig, start: int, val_resize: int) -> int:
+    """data.end_image_size unset: the train crop at which objects look as large as validation shows them
+    (FixRes, Touvron et al. 2019). A random crop of area scale s (uniform over [min_crop_scale, 1])
+    magnifies the image by image_size / (sqrt(s) x its side), validation's resize by val_resize / its
+    side: equal, on average, at E[sqrt(s)] x val_resize (0.78 x 128 = 96 px at 112, with the 0.25 scale).
+    To a multiple of RAMP_ALIGN, within [start, image_size]. Measured against ending at image_size and
+    against no ramp at 64 and 112 px, 8 and 30 epochs (docs/recipes.md)."""
+    low = data.min_crop_scale
+    mean_side = 1.0 if low >= 1 else 2 * (1 - low**1.5) / (3 * (1 - low))
+    side = round(mean_side * val_resize / RAMP_ALIGN) * RAMP_ALIGN
+    return min(data.image_size, max(start, side))
 
 
 def ramp_step(image_size: int) -> int:
@@ -268,8 +293,9 @@ def default_min_image_size(data: DataConfig, may_resize: bool) -> int | None:
     size = data.image_size
     scaled = math.floor(size * PROGRESSIVE_SCALE / RAMP_ALIGN + 0.5) * RAMP_ALIGN  # a half rounds up
     start = max(PROGRESSIVE_FLOOR, scaled)
+    asked = data.progressive is True or data.end_image_size is not None
     off_by_default = size < PROGRESSIVE_FROM or not may_resize
-    return None if start >= size or (off_by_default and data.progressive is not True) else start
+    return None if start >= size or (off_by_default and not asked) else start
 
 
 def pretrained_settings(cfg: RunConfig, weights: Pretrained) -> dict[str, Any]:

@@ -83,10 +83,11 @@ class RunConfig(Section):
             raise ValueError("data.progressive: progressive resizing changes the labelled crop each epoch, "
                              "not the unlabelled views batched with it; set data.progressive = false, or "
                              'semi.method = "none"')
-        if self.data.min_image_size is not None:
-            raise ValueError("data.min_image_size: progressive resizing changes the labelled crop each "
-                             "epoch, not the unlabelled views batched with it; unset it, or set "
-                             'semi.method = "none"')
+        for key in ("min_image_size", "end_image_size"):
+            if getattr(self.data, key) is not None:
+                raise ValueError(f"data.{key}: progressive resizing changes the labelled crop each "
+                                 "epoch, not the unlabelled views batched with it; unset it, or set "
+                                 'semi.method = "none"')
         if self.semi.ema_teacher and not self.train.ema_decay:
             raise ValueError("semi.ema_teacher: needs an EMA; set train.ema_decay (e.g. 0.999) or "
                              "semi.ema_teacher = false")

@@ -4,20 +4,31 @@ gives an old checkpoint's config these values, and `config.resolve.resume` keeps
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-# "section.key": the value every run from before the key trained with
-TRAINED_BEFORE = {
+
+def _ramp_top(section: dict[str, Any]) -> int | None:
+    """Progressive resizing rose to image_size (none: the run had no ramp)."""
+    return section.get("image_size") if section.get("min_image_size") is not None else None
+
+
+# "section.key": the value every run from before the key trained with, or a function of the saved
+# section that gives it (None: the key stays unset)
+TRAINED_BEFORE: dict[str, Any | Callable[[dict[str, Any]], Any]] = {
     "train.ema_bn_epochs": 0,  # the EMA's BatchNorm statistics were never recomputed
     "data.ramp_step": 32,  # progressive resizing grew its crops in 32 px steps
+    "data.end_image_size": _ramp_top,  # ... up to image_size
 }
 
 
 def as_trained(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` (a saved config's dict) with each key it lacks set to what the run trained with."""
     out = dict(raw)
-    for dotted, value in TRAINED_BEFORE.items():
+    for dotted, rule in TRAINED_BEFORE.items():
         section, key = dotted.split(".")
-        if key not in out.get(section, {}):
-            out[section] = {**out.get(section, {}), key: value}
+        saved = out.get(section, {})
+        value = rule(saved) if callable(rule) else rule
+        if key not in saved and value is not None:
+            out[section] = {**saved, key: value}
     return out

@@ -42,9 +42,10 @@ def kept_lines(cfg: RunConfig, kept: RunConfig) -> list[str]:
     if decode_pending(cfg) and not decode_pending(kept):
         lines.append(f'data.decode "auto": "{kept.data.decode}", as the checkpoint trained (not measured '
                      "again)")
-    if kept.data.ramp_step != cfg.data.ramp_step:
-        lines.append(f"data.ramp_step: {kept.data.ramp_step} px, as the checkpoint trained (this config "
-                     f"derives {cfg.data.ramp_step})")
+    for key in ("ramp_step", "end_image_size"):
+        if getattr(kept.data, key) != getattr(cfg.data, key):
+            lines.append(f"data.{key}: {getattr(kept.data, key)} px, as the checkpoint trained (this config "
+                         f"derives {getattr(cfg.data, key)})")
     if kept.train.ema_bn_epochs != cfg.train.ema_bn_epochs:
         lines.append("resuming a run that trained without train.ema_bn_epochs: its EMA's BatchNorm "
                      "statistics are not recomputed, as it trained")

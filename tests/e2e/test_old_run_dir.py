@@ -24,6 +24,7 @@ def test_the_previous_releases_run_dir_resumes_to_its_weights(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stderr
     assert "data.ramp_step: 32 px, as the checkpoint trained (this config derives 8)" in result.stderr
+    assert "data.end_image_size: 32 px, as the checkpoint trained (this config derives 24)" in result.stderr
     out = last_json(result)
     expected = json.loads((FIXTURE / "continued.json").read_text())
     for weights in ("final", "final_ema"):
@@ -34,5 +35,7 @@ def test_the_previous_releases_run_dir_resumes_to_its_weights(tmp_path):
         assert float(state[name].double().sum()) == pytest.approx(total, rel=1e-3, abs=1e-3), name
     written = tomllib.loads((run_dir / "config.toml").read_text())
     old = tomllib.loads((FIXTURE / "config.toml").read_text())
-    # the ramp's step, a key since, written as the run trained: 32 px (its last epoch at 32, not 24)
-    assert written["data"] == {**old["data"], "ramp_step": 32} and written["train"] == old["train"]
+    # the ramp's step and end, keys since, written as the run trained: 32 px steps up to 32 px (its last
+    # epoch at 32, not 24)
+    assert written["data"] == {**old["data"], "ramp_step": 32, "end_image_size": 32}
+    assert written["train"] == old["train"]

@@ -90,6 +90,22 @@ def test_a_config_from_before_the_ramp_step_key_trained_in_32_px_steps():
     assert "ramp_step" not in migrate({"classes": CLASSES, "config": {"data": {}}})["config"]["data"]
 
 
+def test_a_config_from_before_the_ramps_end_key_rose_to_image_size():
+    """Before data.end_image_size a ramp rose to image_size: a checkpoint whose config has a ramp
+    (min_image_size) and lacks the key gets its image_size; one without a ramp, or with the key, keeps
+    what it says."""
+    old = written_at(3)
+    data = {k: v for k, v in old["config"]["data"].items() if k != "end_image_size"}
+    old["config"] = {**old["config"], "data": {**data, "image_size": 112, "min_image_size": 56}}
+    assert migrate(old)["config"]["data"]["end_image_size"] == 112
+    flat = written_at(3)
+    flat["config"] = {**flat["config"], "data": {**data, "min_image_size": None}}
+    assert "end_image_size" not in migrate(flat)["config"]["data"]
+    current = written_at(3)
+    current["config"]["data"].update(image_size=112, min_image_size=56, end_image_size=96)
+    assert migrate(current)["config"]["data"]["end_image_size"] == 96
+
+
 def test_the_current_version_passes_through_and_a_newer_one_is_refused():
     current = {**written_at(3), "format_version": FORMAT_VERSION}
     assert migrate(current) == current

@@ -9,7 +9,7 @@ import pytest
 from synthetic import make_imagenet_loc
 
 from ddp_cli.config import DataConfig, RunConfig, config_from_dict
-from ddp_cli.config.resolve import Facts, resolve
+from ddp_cli.config.resolve import Facts, fixres_size, resolve
 from ddp_cli.data.pipeline.loaders import build_loaders
 from ddp_cli.data.sources.layouts import build_index
 from ddp_cli.errors import ConfigError
@@ -81,19 +81,19 @@ def sizes_of(raw: dict) -> list[int]:
 
 def test_on_by_default_from_half_the_size_over_10_to_60_percent_of_the_epochs_in_eighths_of_it():
     """The default recipe (issue 57's rule): from half the side to a multiple of 8 px, ramped in steps of
-    an eighth of the side (to 8 px) from 10% of the run to 60%, the last 40% at image_size, whatever the
-    run's length: 64 px over 30 epochs reaches 64 at epoch 18, not 22 (it trained at 32 px for 21
+    an eighth of the side (to 8 px) from 10% of the run to 60% up to FixRes' size, the last 40% there,
+    whatever the run's length: 64 px over 30 epochs reaches 56 at epoch 17 (it trained at 32 px for 21
     epochs in 32 px steps)."""
     cfg = res({"data": {"image_size": 112}, "train": {"epochs": 8}})
     data = cfg.data
-    assert (data.progressive, data.min_image_size, data.ramp_epochs, data.ramp_step) == (
-        True, 56, [0.8, 4.8], 16)
-    assert sizes_of({"data": {"image_size": 112}, "train": {"epochs": 8}}) == [56, 64, 80, 80, 96] + [112] * 3
+    assert (data.progressive, data.min_image_size, data.ramp_epochs, data.ramp_step, data.end_image_size) == (
+        True, 56, [0.8, 4.8], 16, 96)
+    assert sizes_of({"data": {"image_size": 112}, "train": {"epochs": 8}}) == [56, 64, 64, 80] + [96] * 4
     at_64 = sizes_of({"data": {"image_size": 64}, "train": {"epochs": 30}})
-    assert at_64.index(64) == 17 and at_64.count(32) == 5 and set(at_64) == {32, 40, 48, 56, 64}
-    assert at_64[18:] == [64] * 12  # the last 40% at the final size
+    assert at_64.index(56) == 16 and at_64.count(32) == 6 and set(at_64) == {32, 40, 48, 56}
+    assert at_64[18:] == [56] * 12  # the last 40% at the final size
     at_224 = sizes_of({"data": {"image_size": 224}, "train": {"epochs": 16}})
-    assert at_224[::3] == [112, 128, 160] + [224] * 3
+    assert at_224[::3] == [112, 128, 160, 192] + [200] * 2
     firsts = [res({"data": {"image_size": s}}).data.min_image_size for s in (64, 80, 96, 144)]
     assert firsts == [32, 40, 48, 72]
     assert [res({"data": {"image_size": s}}).data.ramp_step for s in (32, 64, 96, 112, 224, 384)] == [
@@ -101,13 +101,45 @@ def test_on_by_default_from_half_the_size_over_10_to_60_percent_of_the_epochs_in
     assert sizes_of({"data": {"image_size": 112, "progressive": False}, "train": {"epochs": 8}}) == [112] * 8
 
 
+@pytest.mark.parametrize(("scale", "val_resize", "start", "end"), [
+    (0.25, 128, 56, 96),   # E[sqrt(s)] over [0.25, 1] = 2 (1 - 0.125) / (3 x 0.75) = 0.778; x 128 = 99.6
+    (0.25, 73, 32, 56),    # 64 px's val resize: 56.8
+    (0.08, 256, 112, 184),  # 2 (1 - 0.0226) / (3 x 0.92) = 0.708; x 256 = 181.3
+    (1.0, 128, 56, 112),   # no random crop: validation's own 128, capped at image_size
+    (0.25, 128, 104, 104),  # never under the first crop
+])
+def test_the_ramp_ends_where_objects_look_as_large_as_validation_shows_them(scale, val_resize, start, end):
+    """FixRes' apparent object size, by hand: a crop of area scale s shows the side at sqrt(s), the val
+    resize at val_resize / side; equal at E[sqrt(s)] x val_resize, to a multiple of 8."""
+    data = DataConfig(image_size=112 if end != 184 else 224, min_crop_scale=scale)
+    assert fixres_size(data, start, val_resize) == end
+
+
+def test_an_end_given_turns_the_ramp_on_and_stays_and_a_bad_one_is_refused():
+    """data.end_image_size named asks for the ramp (below 32 px too) and is kept; under the derived first
+    crop it lowers that crop; outside [min_image_size, image_size], with progressive = false or under a
+    semi-supervised method it is refused, naming the key."""
+    assert sizes_of({"data": {"image_size": 112, "end_image_size": 104}, "train": {"epochs": 8}}) == (
+        [56, 64, 64, 80, 96] + [104] * 3)
+    assert sizes_of({"data": {"image_size": 28, "end_image_size": 24}, "train": {"epochs": 4}}) == [24] * 4
+    low = res({"data": {"image_size": 112, "end_image_size": 48}, "train": {"epochs": 8}}).data
+    assert (low.min_image_size, low.end_image_size) == (48, 48)
+    for bad, error in [({"image_size": 64, "end_image_size": 72}, "end_image_size 72 is outside"),
+                       ({"min_image_size": 64, "end_image_size": 56}, "end_image_size 56 is outside"),
+                       ({"progressive": False, "end_image_size": 96}, "end_image_size is set while")]:
+        with pytest.raises(ConfigError, match=error):
+            config_from_dict({"data": bad})
+    with pytest.raises(ConfigError, match="data.end_image_size: progressive resizing changes the labelled"):
+        config_from_dict({"data": {"end_image_size": 96}, "semi": {"method": "fixmatch"}})
+
+
 def test_a_small_image_starts_at_24_px_not_half_its_side():
     """The demo's 32 px digits from 24 px, not 16: from 16 they reached 0.8 at epoch 5 (validated at 32,
     twice what they trained on); from 24 as soon as at 32 px or sooner, on epochs ~0.7x as costly
     (recipes.md). 48 px, which 32 px steps never took past 32, ramps in 8 px steps now."""
     assert sizes_of({"data": {"image_size": 32}, "train": {"epochs": 8}}) == [24] * 3 + [32] * 5
-    assert sizes_of({"data": {"image_size": 40}, "train": {"epochs": 8}}) == [24, 24, 32, 32] + [40] * 4
-    assert sizes_of({"data": {"image_size": 48}, "train": {"epochs": 8}}) == [24, 24, 32, 40, 40] + [48] * 3
+    assert sizes_of({"data": {"image_size": 40}, "train": {"epochs": 8}}) == [24] * 3 + [32] * 5
+    assert sizes_of({"data": {"image_size": 48}, "train": {"epochs": 8}}) == [24, 24, 32, 32] + [40] * 4
 
 
 @pytest.mark.parametrize("raw", [
@@ -129,17 +161,19 @@ def test_a_first_crop_given_alone_ramps_over_the_default_epochs():
     once left ramp_epochs at [0, 0], so the run trained at image_size throughout, silently); a ramp given
     with it stays, [0, 0] included."""
     assert sizes_of({"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 8}}) == (
-        [64, 64, 80, 96, 96, 112, 112, 112])
+        [64, 64, 80, 80] + [96] * 4)
     cfg = res({"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 8}})
     assert (cfg.data.progressive, cfg.data.ramp_epochs) == (True, [0.8, 4.8])
     longer = {"data": {"image_size": 112, "min_image_size": 64}, "train": {"epochs": 20}}
     assert res(longer).data.ramp_epochs == [2.0, 12.0]
-    assert sizes_of({"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [0, 0]}}) == [112] * 90
+    assert sizes_of({"data": {"image_size": 112, "min_image_size": 64, "ramp_epochs": [0, 0]}}) == [96] * 90
 
 
 def test_asked_for_it_runs_below_32_px_too_and_off_it_refuses_a_first_size():
     asked = {"data": {"image_size": 28, "progressive": True}, "train": {"epochs": 4}}
-    assert sizes_of(asked) == [24, 24, 24, 28]
+    assert sizes_of(asked) == [24] * 4  # FixRes' end: 0.778 x 32 = 24.9
+    named = {"data": {"image_size": 28, "progressive": True, "end_image_size": 28}, "train": {"epochs": 4}}
+    assert sizes_of(named) == [24, 24, 24, 28]
     with pytest.raises(ConfigError, match="data: min_image_size is set while progressive = false"):
         config_from_dict({"data": {"progressive": False, "min_image_size": 160}})
 
@@ -150,11 +184,11 @@ def test_the_run_dirs_config_toml_holds_the_sizes_and_an_old_one_resumes_without
     written in full) resumes as it trained: every epoch at image_size."""
     cfg = res({"data": {"image_size": 112}, "train": {"epochs": 8}})
     written = tomllib.loads(cfg.to_toml())["data"]
-    keys = ("progressive", "min_image_size", "ramp_epochs", "ramp_step")
-    assert [written[key] for key in keys] == [True, 56, [0.8, 4.8], 16]
+    keys = ("progressive", "min_image_size", "ramp_epochs", "ramp_step", "end_image_size")
+    assert [written[key] for key in keys] == [True, 56, [0.8, 4.8], 16, 96]
     assert config_from_dict(tomllib.loads(cfg.to_toml())) == cfg == res(tomllib.loads(cfg.to_toml()))
     old = tomllib.loads(cfg.to_toml())
-    del old["data"]["progressive"], old["data"]["min_image_size"]
+    del old["data"]["progressive"], old["data"]["min_image_size"], old["data"]["end_image_size"]
     old["data"]["ramp_epochs"] = [0.0, 0.0]
     assert set(sizes_of(old)) == {112}
     # off by default is written out too: a 32 px run from before it was on there resumes at 32 px

@@ -240,6 +240,23 @@ def test_a_resume_keeps_the_ramp_step_it_trained_with_unless_the_config_names_an
     assert kept_lines(cfg, cfg) == []
 
 
+def test_a_resume_keeps_the_ramps_end_it_trained_with_unless_the_config_names_another():
+    """A checkpoint from before data.end_image_size (migrate gives it image_size: its ramp rose there) goes
+    on at image_size where this config derives FixRes' end; an end the config names is the user's."""
+    cfg = resolved({"data": {"image_size": 112}, "train": {"epochs": 8}})
+    assert cfg.data.end_image_size == 96
+    trained = config_from_dict({"data": {"image_size": 112, "min_image_size": 56, "ramp_step": 16,
+                                         "end_image_size": 112}})
+    kept = resume(cfg, trained)
+    assert kept.data.end_image_size == 112 and kept.data.train_size(7) == 112
+    assert kept_lines(cfg, kept) == [
+        "data.end_image_size: 112 px, as the checkpoint trained (this config derives 96)"]
+    named = resolved({"data": {"image_size": 112, "end_image_size": 104}, "train": {"epochs": 8}})
+    assert resume(named, trained) is named
+    off = resolved({"data": {"image_size": 112, "progressive": False}})
+    assert resume(off, trained) is off  # no ramp now: nothing to keep
+
+
 def test_the_workers_measurement_makes_decode_concrete_and_a_resume_keeps_the_checkpoints_path():
     """data.decode left "auto" (both paths can run) takes what the workers measured; a resume takes the
     path its checkpoint trained with, measuring nothing; "cpu" and "gpu" given are never changed."""
@@ -342,17 +359,18 @@ def test_the_scan_finds_what_it_looks_for():
 
 def test_a_run_dir_of_the_release_before_the_resolve_pass_resolves_to_itself():
     """tests/fixtures/run-0.1.0: a demo run dir written by ddp 0.1.0 (before the config package). Its
-    config.toml holds every key as that release resolved it but data.ramp_step, a key since; the pass
-    changes none of the others on any facts, and the resume keeps the step its checkpoint trained with
-    (migrated: 32 px), so the run resumes as it trained (tests/e2e/test_old_run_dir.py: the same weights)."""
+    config.toml holds every key as that release resolved it but data.ramp_step and data.end_image_size,
+    keys since; the pass changes none of the others on any facts, and the resume keeps the step and the
+    end its checkpoint trained with (migrated: 32 px steps up to image_size, 32 px), so the run resumes as
+    it trained (tests/e2e/test_old_run_dir.py: the same weights)."""
     fixture = PACKAGE.parent / "tests/fixtures/run-0.1.0"
     written = load_config(fixture / "config.toml")
     assert autos(written) == {"data.ramp_step"}
     trained = config_from_dict(load_checkpoint(fixture / "checkpoints/step-000000008.pt")["config"])
     for facts in (Facts(), Facts("cuda", "bf16", 8, 1250, False, True, 7)):
         again = resolve(written, facts)
-        assert again == written.resolved({"data.ramp_step": 8})
-        assert resume(again, trained) == written.resolved({"data.ramp_step": 32})
+        assert again == written.resolved({"data.ramp_step": 8, "data.end_image_size": 24})
+        assert resume(again, trained) == written.resolved({"data.ramp_step": 32, "data.end_image_size": 32})
 
 
 def test_the_facts_each_reach_their_key():

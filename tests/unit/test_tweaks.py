@@ -145,7 +145,8 @@ def test_the_dry_run_plan_says_which_elements_of_the_recipe_are_on():
 
     assert plan_of({}) == {
         "blurpool": False, "zero_init_residual": False, "label_smoothing": 0.1,
-        "progressive_resizing": True, "test_above_train_size": False, "ema": True, "ema_bn_epochs": 4}
+        "progressive_resizing": True, "test_above_train_size": True, "ema": True, "ema_bn_epochs": 4}
+    assert not plan_of({"data": {"progressive": False}})["test_above_train_size"]  # FixRes' end: 200 < 224
     assert plan_of({"train": {"ema_bn_epochs": 2}})["ema_bn_epochs"] == 2
     assert not plan_of({"data": {"progressive": False}})["progressive_resizing"]
     assert not plan_of({"train": {"ema_decay": 0}})["ema"]
