@@ -185,7 +185,7 @@ def resume(cfg: RunConfig, trained: RunConfig) -> RunConfig:
     from before data.ramp_step and data.end_image_size) unless the config names others than the rule's."""
     if decode_pending(cfg) and not decode_pending(trained):
         cfg = decode_measured(cfg, trained.data.decode)
-    for key, rule in ramp_rules(cfg).items():
+    for key, rule in ramp_rules(cfg, trained).items():
         saved = trained.value(key)
         if saved not in (None, cfg.value(key)) and cfg.value(key) == rule:  # derived, or named as the rule
             cfg = cfg.resolved({key: saved})
@@ -194,11 +194,14 @@ def resume(cfg: RunConfig, trained: RunConfig) -> RunConfig:
     return cfg
 
 
-def ramp_rules(cfg: RunConfig) -> dict[str, int]:
-    """The ramp's keys a resume keeps from its checkpoint, each with what the rule derives for `cfg`."""
-    data = cfg.data
+def ramp_rules(cfg: RunConfig, trained: RunConfig) -> dict[str, int]:
+    """The ramp's keys a resume keeps from its checkpoint, each with what the rule derives for `cfg`: the
+    step always, the end where the config's ramp starts and stops as the checkpoint's did (another first
+    crop or image_size is another ramp, whose end the rule derives)."""
+    data, then = cfg.data, trained.data
     rules = {"data.ramp_step": ramp_step(data.image_size)}
-    if data.min_image_size is not None and data.val_resize is not None:
+    same_ramp = (data.min_image_size, data.image_size) == (then.min_image_size, then.image_size)
+    if same_ramp and data.min_image_size is not None and data.val_resize is not None:
         rules["data.end_image_size"] = fixres_size(data, data.min_image_size, data.val_resize)
     return rules
 

@@ -255,6 +255,9 @@ def test_a_resume_keeps_the_ramps_end_it_trained_with_unless_the_config_names_an
     assert resume(named, trained) is named
     off = resolved({"data": {"image_size": 112, "progressive": False}})
     assert resume(off, trained) is off  # no ramp now: nothing to keep
+    other = config_from_dict({"data": {"image_size": 112, "min_image_size": 16, "ramp_step": 16,
+                                       "end_image_size": 24}})
+    assert resume(cfg, other).data.end_image_size == 96  # another ramp's end (under this first crop) goes
 
 
 def test_the_workers_measurement_makes_decode_concrete_and_a_resume_keeps_the_checkpoints_path():
