@@ -34,7 +34,8 @@ def test_off_and_edge_cases():
     assert [step.train_size(e) for e in range(5)] == [48, 48, 48, 96, 96]
     fine = DataConfig(image_size=64, min_image_size=32, ramp_epochs=[0, 4], ramp_step=8)
     assert [fine.train_size(e) for e in range(5)] == [32, 40, 48, 56, 64]
-    with pytest.raises(ValueError, match="ramp_step is unset: train sizes need a resolved config"):
+    with pytest.raises(ValueError, match=r"^data\.ramp_step is unset: train sizes need a resolved config "
+                       r"\(config\.resolve\)$"):
         DataConfig(image_size=64, min_image_size=32, ramp_epochs=[0, 4]).train_size(1)
 
 
@@ -105,7 +106,7 @@ def test_on_by_default_from_half_the_size_over_10_to_60_percent_of_the_epochs_in
     (0.25, 128, 56, 96),   # E[sqrt(s)] over [0.25, 1] = 2 (1 - 0.125) / (3 x 0.75) = 0.778; x 128 = 99.6
     (0.25, 73, 32, 56),    # 64 px's val resize: 56.8
     (0.08, 256, 112, 184),  # 2 (1 - 0.0226) / (3 x 0.92) = 0.708; x 256 = 181.3
-    (1.0, 128, 56, 112),   # no random crop: validation's own 128, capped at image_size
+    (1.0, 96, 56, 96),     # no random crop: validation's own resize (under image_size here)
     (0.25, 128, 104, 104),  # never under the first crop
 ])
 def test_the_ramp_ends_where_objects_look_as_large_as_validation_shows_them(scale, val_resize, start, end):

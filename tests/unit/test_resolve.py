@@ -402,3 +402,21 @@ def test_progressive_resizing_at_its_edges():
     assert (early.data.progressive, early.data.min_image_size, early.data.ramp_epochs) == (True, 56, [0, 8])
     with pytest.raises(ValueError, match=r"still left to ddp: checkpoint\.best_metric, data\.decode, "):
         require_resolved(config_from_dict({}), "the Trainer")
+
+
+def test_the_plan_says_why_the_recipe_fits_the_method():
+    """The dry-run plan's `semi.recipe_for_the_method` reasons, word for word (what the user reads), and the
+    horizon of a run past 100,000 micro-steps is their whole thousandth (150 of 150,500, not 150.5)."""
+    def why(method: str, steps: int = 12, epochs: int = 12) -> dict:
+        cfg = config_from_dict({"semi": {"method": method}, "train": {"epochs": epochs}})
+        return {key: reason for key, (_, reason) in method_recipe(cfg, Facts(steps_per_epoch=steps)).items()}
+
+    live = "the live weights validated as well as or better than their average, and best.pt serves them"
+    assert why("fixmatch") == {
+        "optim.label_smoothing": "off under fixmatch: smoothing caps the confidence its fixed semi.threshold "
+                                 "(0.95) reads",
+        "train.ema_decay": f"no EMA under fixmatch: {live}"}
+    assert why("freematch")["semi.stats_momentum"] == (
+        "1 - 1/100: the run's 144 micro-steps (the papers' 0.999 is for a million)")
+    long_run = resolved({"semi": {"method": "softmatch"}, "train": {"epochs": 1}}, 150_500)
+    assert long_run.semi.stats_momentum == pytest.approx(1 - 1 / 150)
