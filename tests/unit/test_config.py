@@ -338,3 +338,16 @@ def test_an_unresolved_first_crop_trains_at_the_full_size_until_the_ramp_is_know
     """A first crop given, the ramp left to the resolve pass: before the pass every epoch reads image_size
     (nothing has run yet), and no error."""
     assert DataConfig(image_size=32, min_image_size=16).train_size(0) == 32
+
+
+def test_a_bicubic_strong_view_names_the_key_that_keeps_the_cpu_decode():
+    """RunConfig.bicubic_replay: FixMatch's strong view resamples at augment.interpolation, which the device
+    path replays bilinear only; a bicubic one names semi.strong, unless the strong view has no policy."""
+    def replay(interpolation: str, strong: str) -> str | None:
+        return config_from_dict({"augment": {"interpolation": interpolation},
+                                 "semi": {"method": "fixmatch", "strong": strong}}).bicubic_replay()
+
+    assert replay("bicubic", "randaugment") == 'semi.strong "randaugment"'
+    assert replay("bicubic", "none") is None
+    assert replay("bilinear", "randaugment+cutout") is None
+    assert config_from_dict({"augment": {"interpolation": "bicubic"}}).bicubic_replay() is None
