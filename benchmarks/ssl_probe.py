@@ -41,11 +41,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ddp_cli.config.model import ModelConfig  # noqa: E402
+from ddp_cli.data.pipeline.transforms import MEAN, STD  # noqa: E402
 from ddp_cli.data.registry import load_registry  # noqa: E402
 from ddp_cli.data.sources.layouts import build_index  # noqa: E402
 from ddp_cli.models.zoo import build_model  # noqa: E402
-
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def nt_xent(z: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -98,19 +97,22 @@ class Encoder(nn.Module):
         return self.caught
 
 
-def normalise(images: torch.Tensor) -> torch.Tensor:
-    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+def normalise(images: torch.Tensor, norm: tuple) -> torch.Tensor:
+    """As ddp normalises a batch for the model: (x / 255 - mean) / std, channels last; `norm` the run's
+    (`data.mean`, `data.std`), ImageNet's where its config sets none."""
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in norm)
     return ((images.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
 
 
 @torch.no_grad()
-def centroid_top1(encoder: Encoder, train: tuple, val: tuple, labels: int, draws: int = 20) -> dict:
+def centroid_top1(encoder: Encoder, train: tuple, val: tuple, labels: int, norm: tuple,
+                  draws: int = 20) -> dict:
     """Nearest-centroid val top-1 of the features: `labels` train images a class (the mean over `draws`
     seeded draws), and every train label."""
     encoder.eval()
     (xt, yt), (xv, yv) = train, val
-    ft = F.normalize(torch.cat([encoder(normalise(b)) for b in xt.split(256)]), dim=1)
-    fv = F.normalize(torch.cat([encoder(normalise(b)) for b in xv.split(256)]), dim=1)
+    ft = F.normalize(torch.cat([encoder(normalise(b, norm)) for b in xt.split(256)]), dim=1)
+    fv = F.normalize(torch.cat([encoder(normalise(b, norm)) for b in xv.split(256)]), dim=1)
     encoder.train()
     classes = int(yt.max()) + 1
 
@@ -131,6 +133,7 @@ def train(args: argparse.Namespace) -> dict:
     raw = tomllib.loads(Path(args.config).read_text())
     data, cfg = raw.get("data", {}), ModelConfig(**raw.get("model", {}))
     side, registry = data.get("image_size", 224), args.registry
+    norm = (data.get("mean") or MEAN, data.get("std") or STD)
     torch.manual_seed(args.seed)
     train_set = read_split(registry, data["dataset"], "train", side)
     val_set = read_split(registry, data["dataset"], "val", side)
@@ -147,21 +150,21 @@ def train(args: argparse.Namespace) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / total)))
     augment = views(side, data.get("hflip", True), args.color)
-    history = [{"epoch": 0, **centroid_top1(encoder, train_set, val_set, args.labels)}]
+    history = [{"epoch": 0, **centroid_top1(encoder, train_set, val_set, args.labels, norm)}]
     started = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         order = torch.randperm(len(train_set[0]))
         for step in range(steps):
             batch = train_set[0][order[step * args.batch_size:(step + 1) * args.batch_size]]
             pair = torch.stack([augment(im) for im in (*batch, *batch)])  # views 0..n-1, then their pairs
-            loss = nt_xent(projection(encoder(normalise(pair))), args.temperature)
+            loss = nt_xent(projection(encoder(normalise(pair, norm))), args.temperature)
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
         if epoch % args.report_every == 0 or epoch == args.epochs:
             history.append({"epoch": epoch, "loss": round(loss.item(), 4),
-                            **centroid_top1(encoder, train_set, val_set, args.labels)})
+                            **centroid_top1(encoder, train_set, val_set, args.labels, norm)})
             if not args.json:
                 print(json.dumps(history[-1]), flush=True)
     torch.save(model.state_dict(), args.out)  # its classifier as initialised: the loss never reads it
