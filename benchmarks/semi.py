@@ -1,6 +1,7 @@
 """The semi-supervised benchmark of BENCHMARKS.md ("Semi-supervised"): each method (FixMatch, FreeMatch,
-SoftMatch) and supervised training on the same few labelled images per class, the same labelled steps, and
-the ceiling, on the demo digits or the photo crops, in one run.
+SoftMatch, and SimCLR's features then supervised training) and supervised training on the same few
+labelled images per class, the same labelled steps, and the ceiling, on the demo digits or the photo
+crops, in one run.
 
     python benchmarks/semi.py --json [--dataset digits|photos] [--labels 10] [--methods fixmatch,...]
     python benchmarks/semi.py --dataset photos --registry /tmp/photos64/data.toml --labels 2
@@ -20,6 +21,11 @@ one) at the last epoch and the best, each method's mask rate (SoftMatch's mean w
 accuracy, the wall time of each command (start-up included), and the share of the gap between the
 supervised run and the ceiling that each method closes, (method - supervised) / (ceiling - supervised).
 `--set KEY=VALUE` applies to every run.
+
+"simclr" is two runs: `pretrain.method = "simclr"` on the whole train split, its labels unread (the data
+set's config without [semi], with `PRETRAIN`'s settings: 150 epochs of 128 images, SGD 0.5 after two
+epochs of warm-up), then the supervised run's settings on the same labels and labelled steps from its
+checkpoint (`model.weights`); its row's wall time is both runs'.
 """
 
 from __future__ import annotations
@@ -40,7 +46,11 @@ CONFIGS = {"digits": REPO / "configs/demo-fixmatch.toml", "photos": REPO / "benc
 # the supervised run's best settings found on these labels (BENCHMARKS.md says how they were found):
 # RandAugment (2 ops, magnitude 9) after the crop, as FixMatch's strong views have
 SUPERVISED = ["semi.method=none", "augment.policy=randaugment"]
-METHODS = ("fixmatch", "freematch", "softmatch")
+METHODS = ("fixmatch", "freematch", "softmatch", "simclr")
+# the SimCLR stage's settings over the data set's config (benchmarks/photos-simclr.toml: the same, as a file)
+PRETRAIN = {"pretrain": {"method": "simclr"}, "data": {"batch_size": 128},
+            "optim": {"lr": 0.5, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4},
+            "schedule": {"name": "cosine", "warmup_epochs": 2}, "train": {"epochs": 150}}
 
 
 class Bench:
@@ -70,6 +80,19 @@ class Bench:
         summary, seconds = self.ddp(self.command(config or self.config, overrides, "--run-dir",
                                                  str(self.folder / name)))
         return row(name, summary, seconds)
+
+    def pretrained(self) -> tuple[Path, float]:
+        """The SimCLR stage's last checkpoint and its wall time: the config without [semi], `PRETRAIN` over
+        it (`--set` still applies)."""
+        raw = tomllib.loads(self.config.read_text())
+        del raw["semi"]
+        for section, keys in PRETRAIN.items():
+            raw[section] = {**raw.get(section, {}), **keys}
+        path = self.folder / "simclr.toml"
+        path.write_text(tomli_w.dumps(raw))
+        run_dir = self.folder / "simclr-stage"
+        _, seconds = self.ddp(self.command(path, [], "--run-dir", str(run_dir)))
+        return run_dir / "checkpoints/last.pt", seconds
 
     def every_label(self) -> Path:
         """The recipe without `semi.labels_per_class` (no --set unsets a key): every train image labelled."""
@@ -101,7 +124,12 @@ def campaign(bench: Bench, labels: int, methods: list[str]) -> dict:
     labelled.append(f"train.epochs={epochs}")
     supervised = bench.train("supervised", [*labelled, *SUPERVISED])
     ceiling = bench.train("all_labels", SUPERVISED, bench.every_label())
-    rows = [bench.train(method, [*labelled, f"semi.method={method}"]) for method in methods]
+    rows = [bench.train(method, [*labelled, f"semi.method={method}"]) for method in methods
+            if method != "simclr"]
+    if "simclr" in methods:
+        weights, seconds = bench.pretrained()
+        rows.append(bench.train("simclr", [*labelled, *SUPERVISED, f'model.weights="{weights}"']))
+        rows[-1]["seconds"] = round(rows[-1]["seconds"] + seconds, 1)
     gap = ceiling["top1"] - supervised["top1"]
     for r in rows:
         r["gap_closed"] = round((r["top1"] - supervised["top1"]) / gap, 3) if gap > 0 else None

@@ -15,6 +15,7 @@ from ddp_cli.config import RunConfig, config_from_dict
 from ddp_cli.data.pipeline.loaders import Batch, Loaders
 from ddp_cli.distributed.setup import DistContext, seed_everything
 from ddp_cli.models import build_model
+from ddp_cli.models.projection import add_projection, projected_classifier
 from ddp_cli.run.training import assert_identical_across_ranks
 from ddp_cli.train.checkpoint import Checkpointer, CheckpointStore
 from ddp_cli.train.trainer import Trainer
@@ -40,9 +41,11 @@ def make_config(sections: dict) -> RunConfig:
     return config_from_dict(raw)
 
 
-def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(step: int, size: int, views: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`size` images (each as `views` views where given: N x views x H x W x C) and labels."""
     g = torch.Generator().manual_seed(100 + step)
-    images = torch.randint(0, 256, (size, 16, 16, 3), dtype=torch.uint8, generator=g)
+    images = torch.randint(0, 256, (size, *([views] if views else []), 16, 16, 3), dtype=torch.uint8,
+                           generator=g)
     return images, torch.randint(0, CLASSES, (size,), generator=g)
 
 
@@ -65,17 +68,21 @@ def make_trainer(rank: int, world_size: int, cfg: RunConfig, steps: int, folder:
     model = build_model(cfg.model, CLASSES)
     if not batchnorm:
         group_norm_for_batchnorm(model)
+    if cfg.pretrain.on():
+        add_projection(model, cfg.pretrain)
     store = CheckpointStore(Path(folder) / "checkpoints", cfg.checkpoint.keep_last)
     trainer = Trainer(resolved(cfg, steps, ctx.world_size), ctx, model, Loaders(None, [], None), steps,
                       Checkpointer(store, writes=rank == 0))
     trainer.model.eval()  # BatchNorm in eval: a sample's gradient does not depend on its batch-mates
+    if cfg.pretrain.on():  # ... but the classifier training: its output is the projection's
+        projected_classifier(trainer.model.module).train()
     return trainer
 
 
 def step_replica(trainer: Trainer, rank: int, world_size: int, step: int) -> None:
     """One optimisation step on this rank's slice of global batch `step`."""
     accum, batch = trainer.accum, trainer.cfg.data.batch_size
-    images, labels = global_batch(step, world_size * batch * accum)
+    images, labels = global_batch(step, world_size * batch * accum, 2 if trainer.cfg.pretrain.on() else 0)
     mine = torch.arange(len(labels)).view(accum, world_size, batch)[:, rank]  # each micro-batch's block
     trainer.train_step([(Batch(images[idx], labels[idx], [""] * batch, [""] * batch),) for idx in mine])
 

@@ -9,7 +9,7 @@ from ddp_cli.config import AugmentConfig, RunConfig, SemiConfig
 from ddp_cli.config.resolve import decode_pending
 from ddp_cli.data.pipeline.augment import op_names
 from ddp_cli.data.pipeline.transforms import normalising
-from ddp_cli.data.pipeline.views import view_names
+from ddp_cli.data.pipeline.views import contrastive_view_names, view_names
 from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.reduce import powersgd_warmup
 from ddp_cli.models.weights import is_timm_pretrained
@@ -81,6 +81,9 @@ def augmentation(cfg: RunConfig) -> list[str]:
     if decode_pending(cfg):
         decode = ['data.decode = "auto": the workers time both decode paths on the first batches and keep '
                   "the faster (config.toml records it)"]
+    if cfg.pretrain.on():  # two views of each image, the same ops drawn twice
+        return [*sampler, *decode, *(f"{op} (each of two views)" for op in
+                                     contrastive_view_names(data, aug, cfg.pretrain)), normalize(cfg)]
     return [*sampler, *decode, crop, *flip, *op_names(aug), normalize(cfg), *mixing(aug)]
 
 
@@ -131,6 +134,19 @@ def semi_plan(run: Preflight) -> dict[str, Any]:
             "pseudo_labels_from": "the EMA weights" if semi.ema_teacher else "the model being trained",
             **view_names(run.cfg.data, run.cfg.augment, semi),
             "forward": "one pass over labelled + weak + strong (BatchNorm sees all)",
+            "recipe_for_the_method": run.fitted or "none changed (the config sets those keys)"}
+
+
+def pretrain_plan(run: Preflight) -> dict[str, Any]:
+    """[pretrain] as the run will use it: what it trains, against what, and what it validates."""
+    pretrain = run.cfg.pretrain
+    return {"method": pretrain.method, "labels_read": "none (every train image, as two views)",
+            "loss": f"NT-Xent at temperature {pretrain.temperature:g} over the global batch's views",
+            "negatives_per_view": 2 * run.global_batch - 2,
+            "projection": f"the classifier's input -> 2x its width -> ReLU -> {pretrain.projection_dim}",
+            "classifier": "frozen as initialised (a later run on labels trains it: model.weights)",
+            "validation": "top-1 of the val features' nearest class mean, each image left out of its own",
+            "signals": ["pair_top1"],
             "recipe_for_the_method": run.fitted or "none changed (the config sets those keys)"}
 
 
@@ -224,6 +240,7 @@ def describe(run: Preflight, resumes: Resumed | None = None) -> dict[str, Any]:
         "ema_decay": cfg.train.ema_decay,
         "recipe": recipe(cfg),
         **({"semi": semi_plan(run)} if cfg.semi.on() or cfg.semi.labels_per_class else {}),
+        **({"pretrain": pretrain_plan(run)} if cfg.pretrain.on() else {}),
         "resume": run.resume,
         "resumes": resumes.as_dict() if resumes else None,
         **({"resume_line": resumes.line()} if resumes else {}),

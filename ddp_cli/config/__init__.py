@@ -11,7 +11,14 @@ model.name), `load` (the file and `--set`), `errors` (pydantic's errors as one l
 
 from ddp_cli.config.data import AugmentConfig, DataConfig
 from ddp_cli.config.load import apply_override, load_config, unknown_key
-from ddp_cli.config.model import ModelConfig, ModelSource, OptimConfig, ScheduleConfig, SemiConfig
+from ddp_cli.config.model import (
+    ModelConfig,
+    ModelSource,
+    OptimConfig,
+    PretrainConfig,
+    ScheduleConfig,
+    SemiConfig,
+)
 from ddp_cli.config.run import RunConfig, config_from_dict
 from ddp_cli.config.train import (
     EMA_BN_IMAGES,
@@ -24,6 +31,6 @@ from ddp_cli.config.train import (
 )
 
 __all__ = ["EMA_BN_IMAGES", "AugmentConfig", "CheckpointConfig", "DataConfig", "DistributedConfig",
-           "LoggingConfig", "MlflowConfig", "ModelConfig", "ModelSource", "OptimConfig", "RunConfig",
-           "ScheduleConfig", "SemiConfig", "TrainConfig", "WandbConfig", "apply_override",
+           "LoggingConfig", "MlflowConfig", "ModelConfig", "ModelSource", "OptimConfig", "PretrainConfig",
+           "RunConfig", "ScheduleConfig", "SemiConfig", "TrainConfig", "WandbConfig", "apply_override",
            "config_from_dict", "load_config", "unknown_key"]

@@ -1,4 +1,4 @@
-"""The model, optimiser, schedule and semi-supervised sections: what is trained, and how."""
+"""The model, optimiser, schedule, semi-supervised and pre-training sections: what is trained, and how."""
 
 from __future__ import annotations
 
@@ -64,6 +64,29 @@ class SemiConfig(Section):
     strong_ops: PositiveInt = Field(2, description="fixmatch: RandAugment ops per strong view.")
     cutout: float = Field(0.5, gt=0, le=1, description="fixmatch: Cutout's largest square, as a fraction of "
                           "the side (a grey square of side drawn up to this).")
+
+    def on(self) -> bool:
+        return self.method != "none"
+
+
+class PretrainConfig(Section):
+    method: Literal["none", "simclr"] = Field(
+        "none", description='Learn the model\'s features from the train split\'s images alone, their labels '
+        'unread: "simclr" (Chen et al. 2020) pulls the two views of each image together against every other '
+        "view of the step's global batch (NT-Xent), through a projection MLP on the classifier's input; the "
+        "classifier stays as initialised and validation is the features' nearest-class-mean top-1. Its "
+        "checkpoint is where a run on few labels starts (model.weights); \"none\" = off (docs: \"Learning "
+        'from unlabelled images").',
+    )
+    projection_dim: PositiveInt = Field(64, description="simclr: the projection's output width (its hidden "
+                                        "layer twice the features').")
+    temperature: float = Field(0.2, gt=0, description="simclr: NT-Xent's temperature (cosine similarities "
+                               "are divided by it).")
+    crop_scale: float = Field(0.2, gt=0, le=1, description="simclr: smallest area fraction of each view's "
+                              "RandomResizedCrop.")
+    color_strength: float = Field(0.5, ge=0, description="simclr: the views' colour distortion s: with "
+                                  "probability 0.8 ColorJitter(0.8s, 0.8s, 0.8s, 0.2s), then grey with "
+                                  "probability 0.2 (0 = crop and flip only).")
 
     def on(self) -> bool:
         return self.method != "none"

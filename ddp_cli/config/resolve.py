@@ -13,10 +13,10 @@ the run uses and writes out as its run dir's config.toml. Nothing else fills the
 - `data.workers` / `data.prefetch_factor` "auto": the measured rule (`data.pipeline.autotune`);
 - `data.progressive`, `data.min_image_size`, `data.ramp_epochs`, `data.ramp_step`, `data.end_image_size`
   unset: the default recipe's progressive resizing (`progressive_defaults`), ending at FixRes' size
-  (`fixres_size`);
+  (`fixres_size`); off by default under semi.method and pretrain.method;
 - `data.val_resize` unset: the val crop over VAL_CROP_SHARE (or a timm model's crop_pct);
 - `train.ema_decay` "auto": an average over about an epoch of steps, at least EMA_HORIZON (none under a
-  semi-supervised method without an EMA teacher: `method_recipe`);
+  semi-supervised method without an EMA teacher, nor under pretrain.method: `method_recipe`);
 - `train.ema_bn_epochs` "auto": the epochs that end within the EMA's horizon;
 - `checkpoint.best_metric` unset: the EMA's top-1 where the run has an EMA;
 - `optim.label_smoothing` unset: LABEL_SMOOTHING (0 under FixMatch: `method_recipe`);
@@ -131,13 +131,17 @@ def resolve(cfg: RunConfig, facts: Facts) -> RunConfig:
 
 
 def method_recipe(cfg: RunConfig, facts: Facts) -> dict[str, tuple[Any, str]]:
-    """The default recipe's keys this pass sets otherwise for the run's semi-supervised method, where the
-    config leaves them to ddp: key -> (value, why), the why for the dry-run plan. Measured on the demo
-    digits and the photo crops (docs/semi-supervised.md): smoothing caps the confidence FixMatch's fixed
-    threshold reads (with smoothing e the fitted top probability is 1 - e + e/classes, 0.91 at 0.1 and
-    10 classes: under the 0.95 default), and under every method the weights' EMA served a model no
-    better than the live one at 30 epochs on the digits, and worse under FixMatch and FreeMatch."""
+    """The default recipe's keys this pass sets otherwise for the run's semi-supervised or pre-training
+    method, where the config leaves them to ddp: key -> (value, why), the why for the dry-run plan.
+    Measured on the demo digits and the photo crops (docs/semi-supervised.md): smoothing caps the
+    confidence FixMatch's fixed threshold reads (with smoothing e the fitted top probability is
+    1 - e + e/classes, 0.91 at 0.1 and 10 classes: under the 0.95 default), and under every method the
+    weights' EMA served a model no better than the live one at 30 epochs on the digits, and worse under
+    FixMatch and FreeMatch."""
     semi, out = cfg.semi, {}
+    if cfg.pretrain.on() and cfg.train.ema_decay == "auto":
+        out["train.ema_decay"] = (0.0, f"no EMA under pretrain.method = {cfg.pretrain.method}: its "
+                                  "checkpoint is a start, and a later run starts from the live weights")
     if not semi.on():
         return out
     if semi.method == "fixmatch" and cfg.optim.label_smoothing is None:
@@ -259,7 +263,8 @@ def progressive_defaults(cfg: RunConfig, takes_any_size: bool, val_resize: int) 
     if data.progressive is False:
         return off
     ramp = data.ramp_epochs or [round(cfg.train.epochs * share, 2) for share in PROGRESSIVE_RAMP]
-    start = data.min_image_size or default_min_image_size(data, takes_any_size and not cfg.semi.on())
+    start = data.min_image_size or default_min_image_size(
+        data, takes_any_size and not cfg.semi.on() and not cfg.pretrain.on())
     if start is None or (ramp[-1] == 0 and data.min_image_size is None):  # off: a ramp ending at 0, or
         return off  # the default leaves it off
     end = data.end_image_size or fixres_size(data, start, val_resize)

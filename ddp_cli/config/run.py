@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from ddp_cli.config.data import AugmentConfig, DataConfig
 from ddp_cli.config.errors import describe_validation_error
-from ddp_cli.config.model import ModelConfig, OptimConfig, ScheduleConfig, SemiConfig
+from ddp_cli.config.model import ModelConfig, OptimConfig, PretrainConfig, ScheduleConfig, SemiConfig
 from ddp_cli.config.section import Section
 from ddp_cli.config.train import CheckpointConfig, DistributedConfig, LoggingConfig, TrainConfig
 from ddp_cli.errors import ConfigError
@@ -30,6 +30,7 @@ class RunConfig(Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     semi: SemiConfig = Field(default_factory=SemiConfig)
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
 
     @model_validator(mode="after")
     def _static_graph_alone(self) -> RunConfig:
@@ -91,6 +92,28 @@ class RunConfig(Section):
         if self.semi.ema_teacher and not self.train.ema_decay:
             raise ValueError("semi.ema_teacher: needs an EMA; set train.ema_decay (e.g. 0.999) or "
                              "semi.ema_teacher = false")
+        return self
+
+    @model_validator(mode="after")
+    def _pretraining_alone(self) -> RunConfig:
+        """SimCLR reads two views of every train image and no label: what would read labels, mix or resize
+        the batch is refused."""
+        if not self.pretrain.on():
+            return self
+        method = f'pretrain.method: "{self.pretrain.method}"'
+        if self.semi.on() or self.semi.labels_per_class:
+            raise ValueError(f"{method} learns from every train image and reads no label; run it first, then "
+                             "the semi-supervised run from its checkpoint (model.weights); set semi.method = "
+                             '"none" and unset semi.labels_per_class here')
+        if self.optim.head_lr_mult != 1:
+            raise ValueError(f"{method} trains no classifier (it stays as initialised); set "
+                             "optim.head_lr_mult = 1")
+        if self.augment.mixing():
+            raise ValueError(f"{method} compares each image's own two views; set augment.mixup_alpha = "
+                             "augment.cutmix_alpha = 0")
+        if self.data.progressive or self.data.min_image_size or self.data.end_image_size:
+            raise ValueError(f"{method} trains at data.image_size throughout; set data.progressive = false "
+                             "and unset data.min_image_size and data.end_image_size")
         return self
 
     def to_toml(self) -> str:

@@ -2,8 +2,9 @@
 
 `check_model` builds the run's network on the meta device (no memory, no arithmetic), pushes a fake
 batch of every input size the run will use through it (one logit per class must come out) and matches
-`model.weights`, `model.freeze` and `optim.layer_decay` against it, so a model that cannot take the
-configured images, or weights or names that do not fit, fail with the key to change.
+`model.weights`, `model.freeze` and `optim.layer_decay` against it (and under pretrain.method, SimCLR's
+projection), so a model that cannot take the configured images, or weights or names that do not fit,
+fail with the key to change.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ddp_cli.config import RunConfig
 from ddp_cli.errors import ConfigError
 from ddp_cli.models.families import TINY, fixed_size
 from ddp_cli.models.finetune import classifier_head, freeze, vit_depth
+from ddp_cli.models.projection import add_projection
 from ddp_cli.models.timm_model import cached_weights
 from ddp_cli.models.weights import initial_weights, is_timm_pretrained, select_weights
 from ddp_cli.models.zoo import build_model, first_line
@@ -78,6 +80,9 @@ def check_model(cfg: RunConfig, num_classes: int) -> nn.Module:
     elif cfg.model.weights:
         select_weights(model.state_dict(), initial_weights(cfg.model), cfg.model, num_classes)
     check_finetune(model, cfg)
+    if cfg.pretrain.on():  # a Linear classifier to project from, or exit 2 before any worker starts
+        with tensors_on_meta():
+            add_projection(model, cfg.pretrain)
     return model
 
 

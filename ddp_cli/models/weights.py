@@ -1,6 +1,7 @@
-"""A model's starting weights (`model.weights`): a state dict or ddp checkpoint file, a torchvision
-weight name (its file in the torch hub cache, never downloaded) or a timm model's "pretrained" (from the
-local Hugging Face cache), matched name by name and shape by shape against the model ddp builds.
+"""A model's starting weights (`model.weights`): a state dict or ddp checkpoint file (a pretrain run's
+without its projection head), a torchvision weight name (its file in the torch hub cache, never
+downloaded) or a timm model's "pretrained" (from the local Hugging Face cache), matched name by name
+and shape by shape against the model ddp builds.
 
 `load_weights` copies them into a freshly built model in a worker; `select_weights` is the match, which
 `check.check_model` runs on the meta device in the launcher, so weights that do not fit fail before any
@@ -23,6 +24,7 @@ from ddp_cli.config.model_names import is_timm_model
 from ddp_cli.errors import ConfigError, DataError, did_you_mean
 from ddp_cli.io import is_checkpoint, load_plain
 from ddp_cli.models.families import TINY
+from ddp_cli.models.projection import without_projection
 from ddp_cli.models.timm_model import PRETRAINED, build_pretrained
 from ddp_cli.models.user_model import call, is_user_model
 
@@ -83,7 +85,7 @@ def weights_file(cfg: ModelConfig) -> str:
 
 def initial_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The tensors `model.weights` names, in the names of the model ddp builds."""
-    tensors = read_weights(weights_file(cfg))
+    tensors = without_projection(read_weights(weights_file(cfg)))  # a pretrain run's: its features
     return {OLD_DENSENET.sub(r"\1\2", k): v for k, v in tensors.items() if not k.startswith(AUX_HEADS)}
 
 

@@ -29,7 +29,7 @@ RETRY_S = 5.0  # between tries while the server refuses
 CLOSE_S = 20.0  # what is still unsent this long after the run ended is given up
 BATCH = 100  # params per request (MLflow's limit); metrics are sent a record at a time
 SCALARS = ("loss", "top1", "top5", "lr", "images_per_second", "sup_loss", "unsup_loss", "mask_rate",
-           "pseudo_label_top1", "epoch")
+           "pseudo_label_top1", "pair_top1", "epoch")
 # what the MLflow client retries on its own before a call fails: short, the sink retries itself
 CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}

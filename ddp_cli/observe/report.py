@@ -57,6 +57,13 @@ def semi_summary(run_dir: Path) -> dict[str, Any]:
                      if k in last or k in ("mask_rate", "pseudo_label_top1")}}
 
 
+def pretrain_summary(run_dir: Path) -> dict[str, Any]:
+    """SimCLR's last epoch, where the run pre-trained (pretrain.method): the share of views whose most
+    similar other view was their pair. Its val top-1 is the features' nearest class mean."""
+    epochs, _ = load_records(run_dir, "pretrain")
+    return {"pretrain": {"pair_top1": epochs[-1].get("pair_top1")}} if epochs else {}
+
+
 SEMI_SIGNALS = {"freematch_tau": "FreeMatch tau", "class_thresholds": None, "softmatch_mu": "SoftMatch mu",
                 "softmatch_sigma": None}  # the methods' own, in their `semi` rows; curves for the labelled
 
@@ -89,6 +96,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "mfu": median(shares) if shares else None,  # of the windows, as images/s (observe/mfu.py)
         **classes.summary(classes.latest_evaluation(run_dir)),
         **semi_summary(run_dir),
+        **pretrain_summary(run_dir),
     }
 
 
@@ -139,7 +147,12 @@ def plot_ema(ema: list[dict], weights: str, loss_ax, acc_ax) -> None:
 
 def plot_semi(run_dir: Path, train: list[dict], loss_ax, acc_ax) -> None:
     """FixMatch's curves, where it was on: its two losses per step window beside the loss, and per epoch
-    the mask rate and the pseudo-labels' accuracy beside validation's (all shares in [0, 1])."""
+    the mask rate and the pseudo-labels' accuracy beside validation's (all shares in [0, 1]); SimCLR's
+    pair accuracy per epoch, where it pre-trained."""
+    pretrain, _ = load_records(run_dir, "pretrain")
+    if pretrain:
+        acc_ax.plot([r["epoch"] for r in pretrain], [r["pair_top1"] for r in pretrain], "^-",
+                    label="pair top-1 (SimCLR)")
     windows = [r for r in train if "sup_loss" in r]
     if not windows:
         return

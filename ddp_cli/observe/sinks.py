@@ -24,7 +24,7 @@ from ddp_cli.userfiles import read_text
 CSV_COLUMNS = ("time", "epoch", "step", "split", "loss", "top1", "top5", "lr", "images_per_second",
                "skipped_images", "images")
 SCALARS = ("loss", "top1", "top5", "lr", "images_per_second",
-           "sup_loss", "unsup_loss", "mask_rate", "pseudo_label_top1")  # the last four: FixMatch's
+           "sup_loss", "unsup_loss", "mask_rate", "pseudo_label_top1", "pair_top1")  # FixMatch's, SimCLR's
 metrics_log = logging.getLogger("ddp.metrics")
 
 

@@ -26,6 +26,7 @@ from ddp_cli.data.pipeline.decode_probe import PathTiming, probe_batches, time_p
 from ddp_cli.data.pipeline.loaders import build_loaders
 from ddp_cli.data.pipeline.semi import semi_splits
 from ddp_cli.data.pipeline.transforms import normalising
+from ddp_cli.data.pipeline.views import contrastive_views
 from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.data.sources.unlabeled import UNLABELED
@@ -70,8 +71,8 @@ def decode_path(cfg: RunConfig, ctx: DistContext, folder: Path, entry: DatasetEn
 
 
 def measure(cfg: RunConfig, ctx: DistContext, entry: DatasetEntry, index: IndexTable) -> DecodeProbe:
-    """Both paths timed on this rank's train items (the labelled ones, as the run's loader takes them),
-    each path's time the slowest rank's."""
+    """Both paths timed on this rank's train items (the labelled ones, as the run's loader takes them;
+    SimCLR's two views under pretrain.method), each path's time the slowest rank's."""
     start = time.perf_counter()
     fs, root = entry.open()
     labelled, _ = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
@@ -79,8 +80,10 @@ def measure(cfg: RunConfig, ctx: DistContext, entry: DatasetEntry, index: IndexT
     timings: list[PathTiming] = []
     for path in PATHS:
         data = decode_measured(cfg, path).data
+        pretrain, gpu = cfg.pretrain, path == "gpu"
+        views = contrastive_views(data, cfg.augment, pretrain, gpu) if pretrain.on() else None
         loader = build_loaders(data, fs, root, index, ctx.rank, ctx.world_size, cfg.seed,
-                               pin_memory=ctx.device.type == "cuda", augment=cfg.augment).train
+                               pin_memory=ctx.device.type == "cuda", augment=cfg.augment, views=views).train
         batches = probe_batches(loader, data.workers, data.prefetch_factor)
         timings.append(time_path(loader, batches, ctx.device, cfg.model.channels_last, normalising(data)))
     seconds = torch.tensor([t.seconds for t in timings], dtype=torch.float64, device=ctx.device)

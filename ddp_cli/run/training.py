@@ -25,6 +25,7 @@ from ddp_cli.errors import DdpError, WriteError
 from ddp_cli.io import write_text
 from ddp_cli.models.check import tensors_on_meta
 from ddp_cli.models.finetune import freeze
+from ddp_cli.models.projection import add_projection
 from ddp_cli.models.weights import load_weights
 from ddp_cli.models.zoo import build_model
 from ddp_cli.observe.console import RunConsole
@@ -115,12 +116,12 @@ def model_utilisation(cfg: RunConfig, ctx: DistContext, classes: int) -> Utilisa
     """MFU's facts (observe/mfu.py): the model's FLOPs per labelled image at every train crop the run
     takes, counted on a meta-device copy (no memory, nothing computed), and the device's peak. FixMatch
     passes each labelled image through the model with semi.mu unlabelled ones in two views: 1 + 2 mu
-    images (its EMA teacher's forward, where on, is not counted)."""
+    images (its EMA teacher's forward, where on, is not counted); SimCLR each image's two views."""
     with tensors_on_meta():
         model = build_model(cfg.model, classes, cfg.data.image_size)
     freeze(model, cfg.model)  # frozen layers have no weight gradients to count
     sizes = {cfg.data.train_size(epoch) for epoch in range(cfg.train.epochs)}
-    images = 1 + 2 * cfg.semi.mu if cfg.semi.on() else 1
+    images = 1 + 2 * cfg.semi.mu if cfg.semi.on() else 2 if cfg.pretrain.on() else 1
     return measure(model.train(), sizes, ctx.device, cfg.train.precision, ctx.world_size, images)
 
 
@@ -134,6 +135,8 @@ def build_trainer(cfg: RunConfig, ctx: DistContext, folder: Path, entry: Dataset
     if cfg.model.weights:
         load_weights(model, cfg.model, len(index.classes))
     freeze(model, cfg.model)  # fine-tuning: before DDP wraps it
+    if cfg.pretrain.on():  # SimCLR's projection on the features, the classifier frozen
+        add_projection(model, cfg.pretrain)
     utilisation = model_utilisation(cfg, ctx, len(index.classes)) if ctx.is_main else None
     startup.mark("model")
     fs, root = entry.open()

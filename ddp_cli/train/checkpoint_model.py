@@ -62,6 +62,10 @@ def load_trained(path: str | Path, weights: Weights | Literal["auto"] = "auto",
         raise DataError(f"{path}: holds {f'no {missing}' if missing else 'classes that are not names'}; give "
                         "a checkpoint from <run>/checkpoints/")
     own = config_from_dict(state["config"], str(path))
+    if own.pretrain.on():
+        raise ConfigError(f"{path}: a pretrain.method = \"{own.pretrain.method}\" run's, whose classifier is "
+                          "untrained (its val top-1 is the features' nearest class mean); train from it on "
+                          "labels (model.weights = this file), then validate, predict or export that run")
     if weights == "auto":
         has_ema = isinstance((state.get("ema") or {}).get("module"), dict)
         weights = "ema" if own.checkpoint.best_metric == "ema_top1" and has_ema else "model"

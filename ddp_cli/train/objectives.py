@@ -13,7 +13,9 @@ parts live here, assembled from `mixing.py` and `fixmatch.py`:
   across epochs and its position, the EMA teacher's pseudo-labels, the mask
   and pseudo-label metrics), with its rule for pseudo-labels: FixMatch's fixed
   threshold, or FreeMatch's and SoftMatch's, which keep running statistics
-  (adaptive.py).
+  (adaptive.py);
+- `SimCLR`: no labels read, each image's two views pulled together against the
+  global batch's others (contrastive.py), through the model's projection.
 
 A new method is a class beside these and a line in `build_objective`.
 """
@@ -29,6 +31,7 @@ from ddp_cli.config import RunConfig
 from ddp_cli.data.pipeline.loaders import Batch, Loaders
 from ddp_cli.data.pipeline.transforms import model_input, normalising
 from ddp_cli.train.adaptive import FreeMatch, SoftMatch
+from ddp_cli.train.contrastive import nt_xent
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.fixmatch import SUMS, Rule, Threshold, fixmatch_loss, summary
 from ddp_cli.train.inference import raise_bad_images
@@ -89,8 +92,10 @@ def on_device(micro: Micro, device: torch.device) -> Micro:
 
 def build_objective(cfg: RunConfig, loaders: Loaders, device: torch.device, precision: str,
                     ema: EmaModel | None) -> Objective:
-    """FixMatch and its successors where the loaders bring unlabelled images (`semi.method` on), else
-    supervised."""
+    """SimCLR under pretrain.method; FixMatch and its successors where the loaders bring unlabelled images
+    (`semi.method` on); else supervised."""
+    if cfg.pretrain.on():
+        return SimCLR(cfg, device, precision)
     if loaders.unlabelled is not None:
         return FixMatch(cfg, loaders, device, precision, ema)
     return Supervised(cfg, device, precision)
@@ -132,6 +137,35 @@ class Supervised:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class SimCLR(Supervised):
+    """SimCLR's NT-Xent on each micro-batch's two views (N x 2 x H x W x C), in one forward of [first views;
+    second views] through the model, whose output in training is its projection (models/projection.py)."""
+
+    name, sums = "pretrain", ("pair_hits", "views")
+
+    def __init__(self, cfg: RunConfig, device: torch.device, precision: str) -> None:
+        super().__init__(cfg, device, precision)
+        self.temperature = cfg.pretrain.temperature
+
+    def loss(self, forward: Forward, micro: Micro, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        (batch,) = micro  # its labels never read
+        views = batch.images
+        x = model_input(torch.cat([views[:, 0], views[:, 1]]), self.channels_last, self.norm)
+        with autocast(self.device, self.precision):
+            projections = forward(x)
+        loss, hits = nt_xent(projections, self.temperature)
+        views_counted = torch.full((), len(x), dtype=torch.float64, device=self.device)
+        return loss, torch.stack([hits.double(), views_counted])
+
+    def metrics(self, sums: list[float], micro_steps: float) -> dict[str, Any]:
+        """pair_top1: the share of views whose most similar other view is their pair."""
+        hits, views = sums
+        return {"pair_top1": hits / views} if views else {}
+
+    def summary(self, last_epoch: dict[str, Any]) -> dict[str, Any]:
+        return {self.name: {"pair_top1": last_epoch.get("pair_top1")}}
 
 
 RULES: dict[str, type] = {"fixmatch": Threshold, "freematch": FreeMatch, "softmatch": SoftMatch}

@@ -3,7 +3,8 @@
 `fit()` is the whole run: for each epoch, `train_epoch()` (micro-batches through
 DDP with `no_sync` on all but the last, one optimiser and schedule step each;
 the loss is the run's `Objective`'s: objectives.py), then `validate()` over the
-whole val split (and of the weights' EMA, if on: in the first epochs with its
+whole val split (under pretrain.method, of the features: contrastive.py) and of
+the weights' EMA, if on (in the first epochs with its
 BatchNorm statistics recomputed first, `recalibrate_ema()`),
 and after every step and epoch `checkpoint()`: when the `Checkpointer` says a
 save is due, the state is settled and saved (and a stop signal ends the run).
@@ -50,6 +51,7 @@ from ddp_cli.observe.sinks import Sink
 from ddp_cli.observe.startup import StartupClock
 from ddp_cli.train.checkpoint import Checkpointer, RankRngs, RunState
 from ddp_cli.train.checkpoint_model import warn_if_changed
+from ddp_cli.train.contrastive import centroid_evaluate_each
 from ddp_cli.train.ema import EmaModel
 from ddp_cli.train.inference import evaluate_each, raise_bad_images
 from ddp_cli.train.metrics import EvalTotals
@@ -357,8 +359,12 @@ class Trainer:
         modules = [self.model.module, *([self.ema.module] if self.ema else [])]
         for buffer in (b for module in modules for b in module.buffers()):
             dist.broadcast(buffer, src=0)
-        every = evaluate_each(modules, self.loaders.val, self.ctx.device, self.precision,
-                              self.cfg.model.channels_last, bad, norm=normalising(self.cfg.data))
+        where = (self.loaders.val, self.ctx.device, self.precision, self.cfg.model.channels_last, bad)
+        if self.cfg.pretrain.on():  # the features, by their nearest class mean: the classifier is untrained
+            every = centroid_evaluate_each(modules, *where, normalising(self.cfg.data),
+                                           self.cfg.pretrain.temperature)
+        else:
+            every = evaluate_each(modules, *where, norm=normalising(self.cfg.data))
         return every[0], every[1] if self.ema else None
 
     def resume(self, path: str | Path) -> Resumed:

@@ -22,6 +22,7 @@ CASES = {
     "adamw": (4, 1, {"optim": OPTIMS[1][0]}, True),
     "accum": (2, 3, {"optim": {"name": "sgd", "momentum": 0.9}}, True),
     "mixing": (4, 1, MIXING, False),
+    "simclr": (3, 1, {"pretrain": {"method": "simclr"}, "optim": {"name": "sgd", "momentum": 0.9}}, False),
 }
 
 
@@ -92,4 +93,11 @@ def test_two_replicas_mix_as_one_process_on_the_combined_batch(runs):
     kinds = {mixing.draw(step, torch.zeros(1, 3, 16, 16)).box is None for step in range(STEPS)}
     assert kinds == {True, False}, "the steps must include MixUp and CutMix"
     ranks, single = runs["mixing"]
+    assert_equivalent(list(ranks), single)
+
+
+def test_two_replicas_of_simclr_equal_one_process_on_the_combined_batch(runs):
+    """NT-Xent's negatives are the global batch's views (all-gathered, every rank's gradient for them
+    summed back): 2 ranks of 3 images train as one process on the 6. GroupNorm in place of BatchNorm."""
+    ranks, single = runs["simclr"]
     assert_equivalent(list(ranks), single)

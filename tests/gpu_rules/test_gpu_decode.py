@@ -18,7 +18,7 @@ from ddp_cli.data.pipeline.augment import train_transform
 from ddp_cli.data.pipeline.images import open_image
 from ddp_cli.data.pipeline.loaders import Batch, collate
 from ddp_cli.data.pipeline.transforms import to_model_input
-from ddp_cli.data.pipeline.views import TwoViews
+from ddp_cli.data.pipeline.views import fixmatch_views
 from ddp_cli.distributed.setup import choose_device
 from gpu_rules.gpu_parts import BATCH, SIZE, gpu_config, gpu_trainer
 from gpu_rules.node import DEVICE, RANK
@@ -101,7 +101,8 @@ def test_fixmatch_s_two_view_batch_is_decoded_once_and_both_views_rendered_on_th
     decoded = []
     nvjpeg_on_fake_tensors(monkeypatch, decoded)
     device = choose_device("nccl", RANK)
-    views = TwoViews(DataConfig(image_size=SIZE), AugmentConfig(), SemiConfig(method="fixmatch"), defer=True)
+    views = fixmatch_views(DataConfig(image_size=SIZE), AugmentConfig(), SemiConfig(method="fixmatch"),
+                           defer=True)
     items = []
     for seed in range(16):
         torch.manual_seed(seed)

@@ -160,3 +160,36 @@ def test_the_ema_s_batchnorm_recalibration_stays_on_the_gpu_and_reads_nothing(gp
     assert not off_the_gpu([norm.running_mean, norm.running_var])
     reduced = [shapes for name, _, shapes in gpu.collectives.calls if name == "all_reduce"]
     assert reduced == [[("cuda:3", "torch.float32", (4,))]] * 2  # the mean and the variance
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_simclr_step_gathers_every_rank_s_projections_on_the_gpu_and_reads_nothing(gpu, precision):
+    """pretrain.method: both views (pinned uint8) in one forward, the projections all-gathered by NCCL,
+    the pair hits counted on the device: all on cuda:3, no host read, and the classifier (frozen) outside
+    DDP's gradient all-reduce. (The fake world's backward is a stand-in that runs no autograd Function:
+    the gathered rows' gradients summed back are proved on gloo, tests/e2e/test_data_parallel.py.)"""
+    from ddp_cli.data.pipeline.loaders import Batch
+    from ddp_cli.distributed.setup import DistContext, choose_device, seed_everything
+    from ddp_cli.models.projection import add_projection
+    from ddp_cli.train.objectives import SimCLR
+    from ddp_cli.train.trainer import Trainer
+    from gpu_rules.gpu_parts import tiny_loaders, tiny_net
+    from gpu_rules.node import RANK, WORLD
+
+    cfg = gpu_config(train={"precision": precision}, pretrain={"method": "simclr", "projection_dim": 3})
+    seed_everything(cfg.seed)
+    ctx = DistContext(RANK, WORLD, RANK, WORLD, choose_device("nccl", RANK), "nccl")
+    model = add_projection(tiny_net(), cfg.pretrain)
+    trainer = Trainer(resolved(cfg, 2, ctx.world_size, "cuda"), ctx, model, tiny_loaders(), 2)
+    views = torch.randint(0, 256, (4, 2, 8, 8, 3), dtype=torch.uint8).pin_memory()
+    batch = Batch(views, torch.zeros(4, dtype=torch.long).pin_memory(), [""] * 4, [""] * 4)
+    gpu.blocking.clear()
+    gpu.collectives.calls.clear()
+    sums = trainer.train_step([(batch,)])
+    assert isinstance(trainer.objective, SimCLR)
+    assert not off_the_gpu([sums, *trainer.model.module.state_dict().values()])
+    assert not gpu.reads and not gpu.blocking
+    calls = [(name, shapes) for name, _, shapes in gpu.collectives.calls]
+    assert ("all_gather", [("cuda:3", "torch.float32", (8, 3))] * (1 + WORLD)) in calls
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert gradient_reductions(gpu)[-1] == ("nccl", [("cuda:3", "torch.float32", (trained,))])

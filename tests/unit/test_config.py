@@ -351,3 +351,24 @@ def test_a_bicubic_strong_view_names_the_key_that_keeps_the_cpu_decode():
     assert replay("bicubic", "none") is None
     assert replay("bilinear", "randaugment+cutout") is None
     assert config_from_dict({"augment": {"interpolation": "bicubic"}}).bicubic_replay() is None
+
+
+SIMCLR = {"pretrain": {"method": "simclr"}, "data": {"image_size": 16}, "model": {"name": "resnet_tiny"}}
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"semi": {"method": "fixmatch", "labels_per_class": 2}}, "semi.method"),
+    ({"semi": {"labels_per_class": 2}}, "semi.labels_per_class"),
+    ({"augment": {"mixup_alpha": 0.2}}, "mixup_alpha"),
+    ({"augment": {"cutmix_alpha": 1.0}}, "mixup_alpha"),
+    ({"data": {"progressive": True}}, "data.progressive"),
+    ({"data": {"min_image_size": 8}}, "data.min_image_size"),
+    ({"data": {"end_image_size": 8}}, "data.end_image_size"),
+    ({"optim": {"head_lr_mult": 10}}, "head_lr_mult"),
+])
+def test_what_would_read_labels_mix_or_resize_simclr_s_views_is_refused_naming_the_key(keys, message):
+    raw = {**SIMCLR, **keys, "data": {**SIMCLR["data"], **keys.get("data", {})}}
+    with pytest.raises(ConfigError, match=f"pretrain.method.*{message}"):
+        config_from_dict(raw)
+    config_from_dict(SIMCLR)  # alone: fine
+    config_from_dict({k: v for k, v in raw.items() if k != "pretrain"})  # without it: fine

@@ -24,7 +24,7 @@ from ddp_cli.data.pipeline.device_decode import DeferredBatch, collate_images, d
 from ddp_cli.data.pipeline.images import open_image
 from ddp_cli.data.pipeline.loaders import ImageDataset, build_loaders, collate
 from ddp_cli.data.pipeline.transforms import Deferred, ValTransform
-from ddp_cli.data.pipeline.views import StrongAugment, TwoViews
+from ddp_cli.data.pipeline.views import StrongAugment, TwoViews, fixmatch_views
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError, DataError
@@ -258,7 +258,7 @@ SMALL = [photo(seed, 64 + 4 * seed, 48 + 2 * seed) for seed in range(6)]  # a ba
 
 
 def two_views(defer: bool, size: int = 224) -> TwoViews:
-    return TwoViews(DataConfig(image_size=size), AugmentConfig(), SemiConfig(method="fixmatch"), defer)
+    return fixmatch_views(DataConfig(image_size=size), AugmentConfig(), SemiConfig(method="fixmatch"), defer)
 
 
 def test_fixmatch_s_two_views_deferred_draw_as_the_cpu_path_and_land_close():

@@ -27,7 +27,7 @@ from ddp_cli.data.pipeline.semi import (
     semi_splits,
     take,
 )
-from ddp_cli.data.pipeline.views import TwoViews, cutout
+from ddp_cli.data.pipeline.views import TwoViews, cutout, fixmatch_views
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.errors import ConfigError
@@ -191,12 +191,13 @@ def test_what_composes_with_fixmatch_is_accepted():
 
 def test_the_views_are_flipped_only_where_data_hflip_and_semi_weak_say_so():
     def views(hflip: bool, weak: str = "flip+crop") -> TwoViews:
-        return TwoViews(DataConfig(image_size=8, hflip=hflip), RunConfig().augment,
-                        SemiConfig(method="fixmatch", weak=weak))
+        return fixmatch_views(DataConfig(image_size=8, hflip=hflip), RunConfig().augment,
+                              SemiConfig(method="fixmatch", weak=weak))
 
-    assert not views(False).weak.hflip and not views(False).strong.hflip  # a mirrored digit: another glyph
-    assert views(True).weak.hflip and views(True).strong.hflip
-    assert not views(True, "crop").weak.hflip
+    # weak view first, strong second; a mirrored digit: another glyph
+    assert not views(False).first.hflip and not views(False).second.hflip
+    assert views(True).first.hflip and views(True).second.hflip
+    assert not views(True, "crop").first.hflip
 
 
 def test_cutout_greys_a_square_within_the_largest_side(monkeypatch):

@@ -420,3 +420,17 @@ def test_the_plan_says_why_the_recipe_fits_the_method():
         "1 - 1/100: the run's 144 micro-steps (the papers' 0.999 is for a million)")
     long_run = resolved({"semi": {"method": "softmatch"}, "train": {"epochs": 1}}, 150_500)
     assert long_run.semi.stats_momentum == pytest.approx(1 - 1 / 150)
+
+
+def test_simclr_runs_without_an_ema_and_without_progressive_resizing_and_the_plan_says_why():
+    raw = {"data": {"image_size": 64}, "model": {"name": "resnet_tiny"}}
+    supervised, simclr = resolved(raw), resolved({**raw, "pretrain": {"method": "simclr"}})
+    assert supervised.train.ema_decay > 0 and supervised.data.progressive is True  # the default recipe
+    assert simclr.train.ema_decay == 0 and simclr.data.progressive is False
+    assert simclr.checkpoint.best_metric == "top1"
+    pretrain = {**raw, "pretrain": {"method": "simclr"}}
+    fitted = method_recipe(config_from_dict(pretrain), Facts(steps_per_epoch=22))
+    assert fitted["train.ema_decay"] == (0.0, "no EMA under pretrain.method = simclr: its checkpoint is a "
+                                         "start, and a later run starts from the live weights")
+    kept = config_from_dict({**pretrain, "train": {"ema_decay": 0.9}})
+    assert "train.ema_decay" not in method_recipe(kept, Facts(steps_per_epoch=22))  # the config's kept

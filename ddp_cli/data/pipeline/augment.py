@@ -42,12 +42,12 @@ Ops = list[tuple[str, v2.Transform]]  # each op with its name for the plan, in t
 Step = tuple[Callable, dict[str, Any]]  # a v2 functional and the keyword arguments an op drew for it
 Steps = tuple[list[Step], list[Step]]  # on the image (the policy, jitter), then on the tensor (erasing)
 NO_STEPS: Steps = ([], [])
-# Every functional the policies, jitter and erasing call: each gets a recording kernel for `Drawing`.
-# One missing would run the real kernel on the stand-in and go unrecorded (test_augment replays every
-# policy against the live op to catch that).
+# Every functional the policies, jitter, erasing and SimCLR's grey call: each gets a recording kernel
+# for `Drawing`. One missing would run the real kernel on the stand-in and go unrecorded (test_augment
+# replays every policy against the live op to catch that).
 RECORDED = (F.affine, F.rotate, F.adjust_brightness, F.adjust_contrast, F.adjust_saturation,
             F.adjust_sharpness, F.adjust_hue, F.posterize, F.solarize, F.autocontrast, F.equalize,
-            F.invert, F.erase)
+            F.invert, F.erase, F.rgb_to_grayscale)
 
 
 class PixelErasing(v2.RandomErasing):

@@ -43,19 +43,26 @@ def time_path(loader: DataLoader, batches: int, device: torch.device, channels_l
     processes are ended after (persistent ones would live on with the loader)."""
     it = iter(loader)
     try:
-        model_input(next(it).images.to(device, non_blocking=True), channels_last, norm)
+        on_device(next(it).images, device, channels_last, norm)
         _synchronise(device)
         start, images = time.perf_counter(), 0
         for _ in range(batches):
             batch = next(it, None)
             if batch is None:
                 break
-            model_input(batch.images.to(device, non_blocking=True), channels_last, norm)
+            on_device(batch.images, device, channels_last, norm)
             images += len(batch.labels)
         _synchronise(device)
         return PathTiming(images, time.perf_counter() - start)
     finally:
         getattr(it, "_shutdown_workers", lambda: None)()  # the loader processes, now: not at its GC
+
+
+def on_device(images: torch.Tensor, device: torch.device, channels_last: bool, norm: Norm) -> torch.Tensor:
+    """A batch made the model's input on `device`; one of views (N x V x H x W x C: SimCLR's) as N x V
+    images."""
+    images = images.to(device, non_blocking=True)
+    return model_input(images.flatten(0, 1) if images.dim() == 5 else images, channels_last, norm)
 
 
 def _synchronise(device: torch.device) -> None:

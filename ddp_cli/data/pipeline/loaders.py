@@ -169,6 +169,14 @@ class ImageDataset(Dataset):
         return blank, int(self.labels[index]), "", message
 
 
+class ViewsDataset(ImageDataset):
+    """Items whose image is two views (2 x H x W x C: FixMatch's, SimCLR's), a bad one's stand-in too."""
+
+    def failed(self, index: int, message: str):
+        blank = torch.zeros(2, self.out_size, self.out_size, 3, dtype=torch.uint8)
+        return blank, int(self.labels[index]), "", message
+
+
 def epoch_shards(count: int, seed: int, epoch: int) -> list[int]:
     """The order in which the training sampler reads the shards in `epoch` (`sampler.shard_order`)."""
     return shard_sequence(count, torch.Generator().manual_seed(derived_seed(seed, epoch)))
@@ -316,17 +324,20 @@ def build_loaders(
     train: bool = True,
     augment: AugmentConfig = AugmentConfig(),
     calibration: int = 0,
+    views: Callable | None = None,
 ) -> Loaders:
     """This rank's train and val loaders (`train=False` for validation-only jobs), and with `calibration`
-    images its share of the EMA's BatchNorm sample."""
+    images its share of the EMA's BatchNorm sample; with `views` (pretrain.method: `contrastive_views`),
+    each train image is its two views instead of one crop."""
     val = eval_loader(cfg, fs, root, index.splits["val"], rank, world_size, seed, pin_memory,
                       interpolation=augment.interpolation, defer=cfg.decode == "gpu")
     if not train:
         return Loaders(None, val, None)
-    transform = train_transform(cfg, augment, defer=cfg.decode == "gpu")
+    transform = views or train_transform(cfg, augment, defer=cfg.decode == "gpu")
     split = index.splits["train"]
-    dataset = ImageDataset(fs, root, split, transform, cfg.on_bad_image, transform.size, cfg.cache_dir,
-                           shard_cache(cfg), IoPolicy.of(cfg), cfg.shuffle_shards)
+    dataset = (ViewsDataset if views else ImageDataset)(
+        fs, root, split, transform, cfg.on_bad_image, transform.size, cfg.cache_dir, shard_cache(cfg),
+        IoPolicy.of(cfg), cfg.shuffle_shards)
     sampler = ShardSampler(len(dataset), rank, world_size, shuffle=True, seed=seed, batch_size=cfg.batch_size,
                            repeats=augment.repeated_aug, with_epoch=True, shards=split.starts,
                            window=cfg.shuffle_shards)

@@ -21,7 +21,6 @@ from dataclasses import replace
 
 import fsspec
 import numpy as np
-import torch
 from torch.utils.data import Sampler
 
 from ddp_cli.config import EMA_BN_IMAGES, RunConfig, SemiConfig
@@ -29,15 +28,15 @@ from ddp_cli.config.resolve import require_resolved
 from ddp_cli.data.fetch.retry import IoPolicy
 from ddp_cli.data.pipeline.loaders import (
     EpochItems,
-    ImageDataset,
     Loaders,
+    ViewsDataset,
     build_loaders,
     make_loader,
     shard_cache,
 )
 from ddp_cli.data.pipeline.sampler import ShardSampler
 from ddp_cli.data.pipeline.seeds import derived_seed
-from ddp_cli.data.pipeline.views import TwoViews
+from ddp_cli.data.pipeline.views import contrastive_views, fixmatch_views
 from ddp_cli.data.sources.packed import Split
 from ddp_cli.data.sources.table import IndexTable
 from ddp_cli.data.sources.unlabeled import UNLABELED
@@ -121,19 +120,16 @@ class UnlabelledStream(Sampler):
             epoch, seen = epoch + 1, 0
 
 
-class UnlabelledDataset(ImageDataset):
-    """Items whose image is the two views (2 x H x W x C), a bad one's stand-in too."""
-
-    def failed(self, index: int, message: str):
-        blank = torch.zeros(2, self.out_size, self.out_size, 3, dtype=torch.uint8)
-        return blank, int(self.labels[index]), "", message
-
-
 def build_semi_loaders(cfg: RunConfig, fs: fsspec.AbstractFileSystem, root: str, index: IndexTable,
                        rank: int, world_size: int, pin_memory: bool) -> Loaders:
     """`build_loaders` over the labelled split (with the EMA's BatchNorm sample where the run recomputes its
-    statistics), and under FixMatch the unlabelled stream's loader."""
+    statistics), and under FixMatch the unlabelled stream's loader; under pretrain.method, over the whole
+    train split in SimCLR's views."""
     require_resolved(cfg, "the loaders")
+    if cfg.pretrain.on():  # every train image, as its two views
+        views = contrastive_views(cfg.data, cfg.augment, cfg.pretrain, defer=cfg.data.decode == "gpu")
+        return build_loaders(cfg.data, fs, root, index, rank, world_size, cfg.seed, pin_memory,
+                             augment=cfg.augment, views=views)
     labelled, unlabelled = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
     loaders = build_loaders(cfg.data, fs, root, replace(index, splits={**index.splits, "train": labelled}),
                             rank, world_size, cfg.seed, pin_memory, augment=cfg.augment,
@@ -142,9 +138,9 @@ def build_semi_loaders(cfg: RunConfig, fs: fsspec.AbstractFileSystem, root: str,
         return loaders
     check_unlabelled(len(unlabelled), world_size, cfg)
     data, batch = cfg.data, cfg.data.batch_size * cfg.semi.mu
-    views = TwoViews(data, cfg.augment, cfg.semi, defer=data.decode == "gpu")  # as training's images
-    dataset = UnlabelledDataset(fs, root, unlabelled, views, data.on_bad_image, views.size, data.cache_dir,
-                                shard_cache(data), IoPolicy.of(data), data.shuffle_shards)
+    views = fixmatch_views(data, cfg.augment, cfg.semi, defer=data.decode == "gpu")  # as training's images
+    dataset = ViewsDataset(fs, root, unlabelled, views, data.on_bad_image, views.size, data.cache_dir,
+                           shard_cache(data), IoPolicy.of(data), data.shuffle_shards)
     seed = derived_seed(cfg.seed, stream=UNLABELLED)
     stream = UnlabelledStream(ShardSampler(len(dataset), rank, world_size, shuffle=True, seed=seed,
                                            batch_size=batch, with_epoch=True, shards=unlabelled.starts,
