@@ -242,3 +242,44 @@ def test_data_decode_auto_times_simclr_s_batches_of_two_views():
     batches = [Batch(views, torch.zeros(3, dtype=torch.long), [""] * 3, [""] * 3)] * 3
     timed = time_path(batches, 2, torch.device("cpu"), True, normalising(DataConfig()))
     assert timed.images == 6 and timed.seconds > 0
+
+
+class ValBatches:
+    """A val loader as `logits_by_batch` reads one: its batches, and the split positions its sampler
+    hands out."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches, self.sampler = batches, range(sum(len(b.labels) for b in batches))
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def test_the_features_validation_reads_the_classifier_s_input_and_counts_no_stand_in():
+    """centroid_evaluate_each: the hooked features of each val image (not the logits), the nearest
+    leave-one-out class mean, a bad file's stand-in in no mean and no count, the run's bad files kept."""
+    from ddp_cli.data.pipeline.transforms import model_input, normalising
+    from ddp_cli.train.contrastive import centroid_evaluate_each
+
+    model, norm = projected().eval(), normalising(DataConfig())
+    g = torch.Generator().manual_seed(7)
+    images = torch.randint(0, 256, (8, 16, 16, 3), dtype=torch.uint8, generator=g)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    skipped = [""] * 7 + ["bad.jpg"]
+    loader = ValBatches([Batch(images[:5], labels[:5], skipped[:5], [""] * 5),
+                         Batch(images[5:], labels[5:], skipped[5:], [""] * 3)])
+    bad: set[str] = set()
+    (totals,) = centroid_evaluate_each([model], loader, torch.device("cpu"), "fp32", False, bad, norm, 0.2)
+    caught = []
+    head = projected_classifier(model).register_forward_hook(lambda m, i, o: caught.append(i[0]))
+    with torch.no_grad():
+        model(model_input(images, False, norm))
+    head.remove()
+    features, keep = F.normalize(caught[0], dim=1), torch.tensor([True] * 7 + [False])
+    expected = leave_one_out_by_hand(features, labels, keep, 3, 0.2)
+    right = (expected.argmax(dim=1) == labels)[keep].sum().item()
+    assert totals.metrics["images"] == 7 and bad == {"bad.jpg"}
+    assert totals.metrics["top1"] == pytest.approx(right / 7)
+    loss = F.cross_entropy(expected[keep].float(), labels[keep]).item()  # the means: kept images only
+    assert totals.metrics["loss"] == pytest.approx(loss, rel=1e-5)
+    assert totals.confusion.sum().item() == 7
