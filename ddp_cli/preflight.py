@@ -32,11 +32,10 @@ from ddp_cli.config.resolve import Facts, Pretrained, autos, for_inference, meth
 from ddp_cli.data.index_build import IndexBuild
 from ddp_cli.data.pipeline.autotune import LoaderChoice, measure_loaders
 from ddp_cli.data.pipeline.device_decode import decodes_on
-from ddp_cli.data.pipeline.semi import check_unlabelled, semi_splits
+from ddp_cli.data.pipeline.semi import check_unlabelled, run_splits
 from ddp_cli.data.pipeline.sharedmem import check_shared_memory
 from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.table import IndexTable
-from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.faults import VARIABLE as FAULTS
 from ddp_cli.distributed.faults import parse_faults
 from ddp_cli.distributed.setup import DistContext, check_gpus_usable, choose_backend, cuda_devices
@@ -152,7 +151,7 @@ def preflight(cfg: RunConfig, build: IndexBuild, workers: Workers, resume: str =
     entry, index = build.result()
     startup.mark("index")
     facts = node_facts(cfg, workers)
-    labelled, unlabelled = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
+    labelled, unlabelled = run_splits(index, cfg)
     batches = len(labelled) // workers.world_size // cfg.data.batch_size  # as a rank's loader
     facts = replace(facts, steps_per_epoch=count_steps(batches, cfg.train))
     fitted = {key: f"{value} ({why})" for key, (value, why) in method_recipe(cfg, facts).items()}

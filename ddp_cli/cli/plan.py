@@ -140,7 +140,10 @@ def semi_plan(run: Preflight) -> dict[str, Any]:
 def pretrain_plan(run: Preflight) -> dict[str, Any]:
     """[pretrain] as the run will use it: what it trains, against what, and what it validates."""
     pretrain = run.cfg.pretrain
-    return {"method": pretrain.method, "labels_read": "none (every train image, as two views)",
+    source = ("the train split, then the registry's unlabeled split" if UNLABELED in run.index.splits
+              else "the train split")
+    return {"method": pretrain.method, "labels_read": "none (every image, as two views)",
+            "images": run.semi_images[0], "images_from": source,
             "loss": f"NT-Xent at temperature {pretrain.temperature:g} over the global batch's views",
             "negatives_per_view": 2 * run.global_batch - 2,
             "projection": f"the classifier's input -> 2x its width -> ReLU -> {pretrain.projection_dim}",

@@ -71,12 +71,12 @@ class SemiConfig(Section):
 
 class PretrainConfig(Section):
     method: Literal["none", "simclr"] = Field(
-        "none", description='Learn the model\'s features from the train split\'s images alone, their labels '
-        'unread: "simclr" (Chen et al. 2020) pulls the two views of each image together against every other '
-        "view of the step's global batch (NT-Xent), through a projection MLP on the classifier's input; the "
-        "classifier stays as initialised and validation is the features' nearest-class-mean top-1. Its "
-        "checkpoint is where a run on few labels starts (model.weights); \"none\" = off (docs: \"Learning "
-        'from unlabelled images").',
+        "none", description="Learn the model's features from the images alone, their labels unread (the "
+        "train split, then the registry's unlabeled split where it names one): \"simclr\" (Chen et al. 2020) "
+        "pulls the two views of each image together against every other view of the step's global batch "
+        "(NT-Xent), through a projection MLP on the classifier's input; the classifier stays as initialised "
+        "and validation is the features' nearest-class-mean top-1. Its checkpoint is where a run on few "
+        "labels starts (model.weights); \"none\" = off (docs: \"Learning from unlabelled images\").",
     )
     projection_dim: PositiveInt = Field(64, description="simclr: the projection's output width (its hidden "
                                         "layer twice the features').")

@@ -37,7 +37,7 @@ def resolve_dataset(cfg: RunConfig, registry: str | None, classes: list[str] | N
     fs, root = entry.open()
     index = build_index(fs, root, entry.layout, classes or cfg.data.classes, splits, cfg.data.on_bad_image,
                         entry.layout_options)
-    if entry.unlabeled and cfg.semi.on() and "train" in splits:  # FixMatch's images nobody labelled
+    if entry.unlabeled and (cfg.semi.on() or cfg.pretrain.on()) and "train" in splits:  # nobody's labels
         index.splits[UNLABELED] = unlabeled_split(fs, root, entry.layout, entry.unlabeled,
                                                  cfg.data.on_bad_image)
     for split, frame in index.splits.items():

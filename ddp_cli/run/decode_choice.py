@@ -24,12 +24,11 @@ from ddp_cli.config import RunConfig
 from ddp_cli.config.resolve import decode_measured, decode_pending
 from ddp_cli.data.pipeline.decode_probe import PathTiming, probe_batches, time_path
 from ddp_cli.data.pipeline.loaders import build_loaders
-from ddp_cli.data.pipeline.semi import semi_splits
+from ddp_cli.data.pipeline.semi import run_splits
 from ddp_cli.data.pipeline.transforms import normalising
 from ddp_cli.data.pipeline.views import contrastive_views
 from ddp_cli.data.registry import DatasetEntry
 from ddp_cli.data.sources.table import IndexTable
-from ddp_cli.data.sources.unlabeled import UNLABELED
 from ddp_cli.distributed.setup import DistContext
 from ddp_cli.io import write_text
 
@@ -75,7 +74,7 @@ def measure(cfg: RunConfig, ctx: DistContext, entry: DatasetEntry, index: IndexT
     SimCLR's two views under pretrain.method), each path's time the slowest rank's."""
     start = time.perf_counter()
     fs, root = entry.open()
-    labelled, _ = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
+    labelled, _ = run_splits(index, cfg)
     index = replace(index, splits={**index.splits, "train": labelled})
     timings: list[PathTiming] = []
     for path in PATHS:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import UNLABELLED_IMAGES, ddp_in_process, last_json
 from PIL import Image
 from torch import nn
 
@@ -283,3 +284,40 @@ def test_the_features_validation_reads_the_classifier_s_input_and_counts_no_stan
     loss = F.cross_entropy(expected[keep].float(), labels[keep]).item()  # the means: kept images only
     assert totals.metrics["loss"] == pytest.approx(loss, rel=1e-5)
     assert totals.confusion.sum().item() == 7
+
+
+@pytest.mark.parametrize("dataset", ["packed", "hub"])
+def test_simclr_reads_the_train_split_then_the_registry_s_unlabeled_split_each_image_once_an_epoch(
+        unlabeled_elsewhere, dataset):
+    from ddp_cli.data.index_build import resolve_dataset
+    from ddp_cli.data.pipeline.semi import build_semi_loaders
+
+    cfg = config_from_dict({**SIMCLR, "data": {"dataset": dataset, "image_size": 8, "batch_size": 2,
+                                               "workers": 0}})
+    entry, index = resolve_dataset(cfg, str(unlabeled_elsewhere))
+    train, unlabeled = index.splits["train"], index.splits["unlabeled"]
+    images = len(train) + UNLABELLED_IMAGES  # 4 + 12: 4 steps of 2 ranks x 2
+    dealt = []
+    for rank in range(2):
+        loaders = build_semi_loaders(resolved(cfg, world_size=2), *entry.open(), index, rank, 2, False)
+        assert loaders.unlabelled is None and loaders.train.dataset.dataset.split == train.joined(unlabeled)
+        for batch in loaders.train:
+            assert batch.images.shape == (2, 2, 8, 8, 3) and list(batch.errors) == ["", ""]
+            assert batch.images.float().std() > 0  # each image read, no blank stand-in
+        dealt += [index for index, _, _ in loaders.train_sampler]
+    assert sorted(dealt) == list(range(images))
+
+
+def test_the_dry_run_says_how_many_images_simclr_reads_and_from_where(with_unlabeled, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('[data]\ndataset = "semi"\nimage_size = 8\nbatch_size = 2\n[pretrain]\nmethod = '
+                      '"simclr"\n[model]\nname = "resnet_tiny"\n[distributed]\nnproc_per_node = 1\n')
+    plan = last_json(ddp_in_process("train", str(config), "--registry", str(with_unlabeled), "--dry-run",
+                                    "--json"))
+    assert (plan["pretrain"]["images"], plan["steps_per_epoch"]) == (18 + 20, 19)
+    assert plan["pretrain"]["images_from"] == "the train split, then the registry's unlabeled split"
+    registry = with_unlabeled.read_text().replace('unlabeled = "unlabeled"', "")
+    with_unlabeled.write_text(registry)
+    plan = last_json(ddp_in_process("train", str(config), "--registry", str(with_unlabeled), "--dry-run",
+                                    "--json"))
+    assert (plan["pretrain"]["images"], plan["pretrain"]["images_from"]) == (18, "the train split")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -13,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import ddp_in_process
-from synthetic import image, make_imagefolder, write_hf_parquet, write_registry
+from conftest import UNLABELLED_IMAGES, ddp_in_process
+from synthetic import image, make_imagefolder, write_registry
 
 from ddp_cli.config import DataConfig, RunConfig, SemiConfig, config_from_dict
 from ddp_cli.data.index_build import resolve_dataset
@@ -208,19 +207,6 @@ def test_cutout_greys_a_square_within_the_largest_side(monkeypatch):
     assert out[2:6, 2:6].eq(127).all()
 
 
-@pytest.fixture
-def with_unlabeled(tmp_path):
-    """An imagefolder data set (3 classes, 6 train images each) whose registry entry names an unlabeled
-    folder of 20 images, some in a subfolder."""
-    root = tmp_path / "data"
-    make_imagefolder(root, per_class=6, size=12)
-    (root / "unlabeled/more").mkdir(parents=True)
-    for i in range(20):
-        image(i, i % 3, 12).save(root / "unlabeled" / ("more" if i % 2 else "") / f"u{i}.png")
-    return write_registry(tmp_path, [{"name": "semi", "layout": "imagefolder", "unlabeled": "unlabeled",
-                                      "storage": {"driver": "FileSystem", "path": str(root)}}])
-
-
 def semi_config(**semi) -> RunConfig:
     return config_from_dict({"data": {"dataset": "semi", "image_size": 8, "batch_size": 2, "workers": 0},
                              "semi": semi})
@@ -407,37 +393,6 @@ def test_the_trainer_batches_labelled_weak_and_strong_in_one_forward_with_the_em
     # the stream's position: 20 // 6 = 3 micro-steps a pass
     assert trainer.objective.state_dict() == {"unlabelled_epoch": 1, "unlabelled_seen": 6,
                                               "semi_statistics": {}}
-
-
-UNLABELLED_IMAGES = 12  # per layout below: 3 steps of 2 ranks x batch 2 x mu 1, a pass with none dropped
-
-
-@pytest.fixture(scope="module")
-def unlabeled_elsewhere(tmp_path_factory) -> Path:
-    """A registry of two entries whose unlabeled split is no folder: `packed` (shards written by `pack`
-    from an imagefolder with an unlabeled/ split, its labels ignored) and `hub` (Parquet, files
-    `unlabeled-*`, one with a label column, the other without)."""
-    import pyarrow.parquet as pq
-
-    from ddp_cli.data.pack.writer import PackOptions, Source, pack, pack_index
-
-    folder = tmp_path_factory.mktemp("unlabeled-elsewhere")
-    source = folder / "source"
-    make_imagefolder(source, classes=2, per_class=2, size=8)
-    for i in range(UNLABELLED_IMAGES):
-        (source / f"unlabeled/class_{i % 2}").mkdir(parents=True, exist_ok=True)
-        image(i, i % 2, 8).save(source / f"unlabeled/class_{i % 2}/u{i}.png")
-    fs, splits = fsspec.filesystem("file"), ("train", "val", "unlabeled")
-    pack(Source(fs, str(source), "src", "imagefolder", str(source)),
-         pack_index(fs, str(source), "imagefolder", splits, "error"), str(folder / "packed"),
-         PackOptions(splits=splits, shard_mib=0.001), 1)
-    write_hf_parquet(folder / "hub", {"train": 4, "validation": 2, "unlabeled": UNLABELLED_IMAGES},
-                     classes=2, row_group=2, size=8)
-    unlabelled_file = folder / "hub/data/unlabeled-00001-of-00002.parquet"
-    pq.write_table(pq.read_table(unlabelled_file).drop_columns(["label"]), unlabelled_file, row_group_size=2)
-    return write_registry(folder, [{"name": name, "layout": layout, "unlabeled": "unlabeled",
-                                    "storage": {"driver": "FileSystem", "path": str(folder / name)}}
-                                   for name, layout in (("packed", "shards"), ("hub", "parquet"))])
 
 
 @pytest.mark.parametrize("dataset", ["packed", "hub"])

@@ -64,6 +64,22 @@ def test_split_equality_is_same_rows_in_the_same_order():
     assert split != Split.of(["a", "b"], [0, 2])
 
 
+def test_joined_splits_are_one_then_the_other_each_shard_s_rows_still_together():
+    files = Split.of(["a.png", "b.png"], [0, 2]).joined(Split.of(["ü/c.png"], [-1]))
+    assert files == Split.of(["a.png", "b.png", "ü/c.png"], [0, 2, -1])
+    first = Split.of(["s0/a", "s0/b", "s1/c"], [1, 0, 1], [[0, 5], [5, 5], [0, 7]], [0, 2, 3])
+    second = Split.of(["u0/d", "u1/e", "u1/f"], [-1, -1, -1], [[0, 9], [0, 3], [3, 4]], [0, 1, 3])
+    joined = first.joined(second)
+    assert list(joined.paths) == [*first.paths, *second.paths]
+    assert joined.labels.tolist() == [1, 0, 1, -1, -1, -1]
+    assert joined.members.tolist() == [[0, 5], [5, 5], [0, 7], [0, 9], [0, 3], [3, 4]]
+    assert joined.starts.tolist() == [0, 2, 3, 4, 6] and joined.container == first.container
+    parquet = Split.of(["f#0"], [0], [[0, 0]], [0, 1], container="parquet")
+    for other in (Split.of(["x"], [0]), parquet):
+        with pytest.raises(ValueError, match="one layout"):
+            first.joined(other)
+
+
 def test_index_table_save_load_keeps_paths_labels_and_classes(tmp_path):
     index = IndexTable(["n2", "n0"], ["två, 2", "zero"], {
         "train": Split.of(NAMES, [i % 2 for i in range(len(NAMES))]),

@@ -5,6 +5,8 @@ seed alone (every rank draws the same, before any loader process exists, so the
 subset is the same at any number of them and after a resume). Under FixMatch the
 rest of the split becomes the unlabelled split, its labels kept only to measure
 the pseudo-labels; a registry entry's own `unlabeled` split takes its place.
+SimCLR (`pretrain.method`) reads no label: it trains on the whole train split
+followed by the registry's unlabeled split, where the entry names one.
 
 The unlabelled stream runs across the labelled epochs: its own epochs (passes
 over the unlabelled split, each a fresh order) are dealt over the ranks by the
@@ -83,6 +85,15 @@ def semi_splits(train: Split, unlabeled: Split | None, semi: SemiConfig,
     return labelled, unlabelled
 
 
+def run_splits(index: IndexTable, cfg: RunConfig) -> tuple[Split, Split | None]:
+    """(the split the run's train loader reads, FixMatch's unlabelled split or None): `semi_splits`'s, or
+    under pretrain.method every train image and then the registry's unlabeled split's, labels unread."""
+    train, unlabeled = index.splits["train"], index.splits.get(UNLABELED)
+    if cfg.pretrain.on():
+        return (train if unlabeled is None else train.joined(unlabeled)), None
+    return semi_splits(train, unlabeled, cfg.semi, cfg.seed)
+
+
 def check_unlabelled(images: int, world_size: int, cfg: RunConfig) -> None:
     """A pass over the unlabelled split holds at least one micro-step of every rank."""
     if images < world_size * cfg.data.batch_size * cfg.semi.mu:
@@ -124,14 +135,15 @@ def build_semi_loaders(cfg: RunConfig, fs: fsspec.AbstractFileSystem, root: str,
                        rank: int, world_size: int, pin_memory: bool) -> Loaders:
     """`build_loaders` over the labelled split (with the EMA's BatchNorm sample where the run recomputes its
     statistics), and under FixMatch the unlabelled stream's loader; under pretrain.method, over the whole
-    train split in SimCLR's views."""
+    train split and the registry's unlabeled split in SimCLR's views."""
     require_resolved(cfg, "the loaders")
-    if cfg.pretrain.on():  # every train image, as its two views
+    labelled, unlabelled = run_splits(index, cfg)
+    index = replace(index, splits={**index.splits, "train": labelled})
+    if cfg.pretrain.on():  # every image, as its two views
         views = contrastive_views(cfg.data, cfg.augment, cfg.pretrain, defer=cfg.data.decode == "gpu")
         return build_loaders(cfg.data, fs, root, index, rank, world_size, cfg.seed, pin_memory,
                              augment=cfg.augment, views=views)
-    labelled, unlabelled = semi_splits(index.splits["train"], index.splits.get(UNLABELED), cfg.semi, cfg.seed)
-    loaders = build_loaders(cfg.data, fs, root, replace(index, splits={**index.splits, "train": labelled}),
+    loaders = build_loaders(cfg.data, fs, root, index,
                             rank, world_size, cfg.seed, pin_memory, augment=cfg.augment,
                             calibration=EMA_BN_IMAGES if cfg.train.ema_bn_epochs else 0)
     if unlabelled is None:

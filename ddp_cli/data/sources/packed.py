@@ -96,6 +96,20 @@ class Split:
                 and _same(self.members, other.members) and _same(self.starts, other.starts)
                 and self.container == other.container)
 
+    def joined(self, other: Split) -> Split:
+        """This split's rows, then `other`'s (of the same layout: files, shards or row groups alike)."""
+        if self.sharded != other.sharded or self.container != other.container:
+            raise ValueError("only splits of one layout join")
+        text = self.paths.data
+        paths = PackedStrings(np.concatenate([text, other.paths.data]),
+                              np.concatenate([self.paths.offsets, other.paths.offsets[1:] + len(text)]))
+        labels = np.concatenate([self.labels, other.labels])
+        labels = labels.astype(smallest_int(labels))
+        if not self.sharded:
+            return Split(paths, labels)
+        return Split(paths, labels, np.concatenate([self.members, other.members]),
+                     np.concatenate([self.starts, other.starts[1:] + len(self)]), self.container)
+
     def classes(self) -> int:
         """How many distinct labels the split holds."""
         return len(np.unique(self.labels))

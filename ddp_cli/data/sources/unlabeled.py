@@ -7,7 +7,8 @@ a source's `unlabeled` split as `unlabeled`, labels -1), in a Parquet root (`par
 the split of the files `<name>-*.parquet`, as Hugging Face `datasets` names its
 splits; their labels, if any, are ignored. Each
 image's label is -1 (unknown), through the same filesystem (local or S3).
-FixMatch (`semi.method = "fixmatch"`) learns from it; nothing else reads it.
+FixMatch and its successors (`semi.method`) learn from it, SimCLR
+(`pretrain.method`) after the train split; nothing else reads it.
 """
 
 from __future__ import annotations
