@@ -1,7 +1,7 @@
 """The semi-supervised benchmark of BENCHMARKS.md ("Semi-supervised"): each method (FixMatch, FreeMatch,
-SoftMatch, and SimCLR's features then supervised training) and supervised training on the same few
-labelled images per class, the same labelled steps, and the ceiling, on the demo digits or the photo
-crops, in one run.
+SoftMatch, and SimCLR's features then supervised training or FreeMatch) and supervised training on the
+same few labelled images per class, the same labelled steps, and the ceiling, on the demo digits or the
+photo crops, in one run.
 
     python benchmarks/semi.py --json [--dataset digits|photos] [--labels 10] [--methods fixmatch,...]
     python benchmarks/semi.py --dataset photos --registry /tmp/photos64/data.toml --labels 2
@@ -25,7 +25,8 @@ supervised run and the ceiling that each method closes, (method - supervised) / 
 "simclr" is two runs: `pretrain.method = "simclr"` on the whole train split, its labels unread (the data
 set's config without [semi], with `PRETRAIN`'s settings: 150 epochs of 128 images, SGD 0.5 after two
 epochs of warm-up), then the supervised run's settings on the same labels and labelled steps from its
-checkpoint (`model.weights`); its row's wall time is both runs'.
+checkpoint (`model.weights`); "simclr+freematch" runs FreeMatch from the same checkpoint instead (the
+stage runs once for both). Each such row's wall time is the stage's and its own.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ CONFIGS = {"digits": REPO / "configs/demo-fixmatch.toml", "photos": REPO / "benc
 # the supervised run's best settings found on these labels (BENCHMARKS.md says how they were found):
 # RandAugment (2 ops, magnitude 9) after the crop, as FixMatch's strong views have
 SUPERVISED = ["semi.method=none", "augment.policy=randaugment"]
-METHODS = ("fixmatch", "freematch", "softmatch", "simclr")
+METHODS = ("fixmatch", "freematch", "softmatch", "simclr", "simclr+freematch")
 # the SimCLR stage's settings over the data set's config (benchmarks/photos-simclr.toml: the same, as a file)
 PRETRAIN = {"pretrain": {"method": "simclr"}, "data": {"batch_size": 128},
             "optim": {"lr": 0.5, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4},
@@ -125,11 +126,14 @@ def campaign(bench: Bench, labels: int, methods: list[str]) -> dict:
     supervised = bench.train("supervised", [*labelled, *SUPERVISED])
     ceiling = bench.train("all_labels", SUPERVISED, bench.every_label())
     rows = [bench.train(method, [*labelled, f"semi.method={method}"]) for method in methods
-            if method != "simclr"]
-    if "simclr" in methods:
-        weights, seconds = bench.pretrained()
-        rows.append(bench.train("simclr", [*labelled, *SUPERVISED, f'model.weights="{weights}"']))
-        rows[-1]["seconds"] = round(rows[-1]["seconds"] + seconds, 1)
+            if not method.startswith("simclr")]
+    if from_features := [method for method in methods if method.startswith("simclr")]:
+        weights, seconds = bench.pretrained()  # one stage for every row that starts from it
+        for method in from_features:  # "simclr": supervised from the features; "simclr+M": method M
+            after = method.partition("+")[2]
+            settings = [f"semi.method={after}"] if after else SUPERVISED
+            rows.append(bench.train(method, [*labelled, *settings, f'model.weights="{weights}"']))
+            rows[-1]["seconds"] = round(rows[-1]["seconds"] + seconds, 1)
     gap = ceiling["top1"] - supervised["top1"]
     for r in rows:
         r["gap_closed"] = round((r["top1"] - supervised["top1"]) / gap, 3) if gap > 0 else None
