@@ -93,7 +93,7 @@ class Preflight:
     steps_per_epoch: int
     global_batch: int
     lr: float
-    semi_images: tuple[int, int | None] = (0, None)  # (labelled, unlabelled or None) train images
+    semi_images: tuple[int, int | None] = (0, None)  # (the train loader's images, unlabelled or None)
     fitted: dict[str, str] = field(default_factory=dict)  # keys resolve set for the semi method: why
 
 

@@ -143,9 +143,8 @@ def build_semi_loaders(cfg: RunConfig, fs: fsspec.AbstractFileSystem, root: str,
         views = contrastive_views(cfg.data, cfg.augment, cfg.pretrain, defer=cfg.data.decode == "gpu")
         return build_loaders(cfg.data, fs, root, index, rank, world_size, cfg.seed, pin_memory,
                              augment=cfg.augment, views=views)
-    loaders = build_loaders(cfg.data, fs, root, index,
-                            rank, world_size, cfg.seed, pin_memory, augment=cfg.augment,
-                            calibration=EMA_BN_IMAGES if cfg.train.ema_bn_epochs else 0)
+    loaders = build_loaders(cfg.data, fs, root, index, rank, world_size, cfg.seed, pin_memory,
+                            augment=cfg.augment, calibration=EMA_BN_IMAGES if cfg.train.ema_bn_epochs else 0)
     if unlabelled is None:
         return loaders
     check_unlabelled(len(unlabelled), world_size, cfg)
