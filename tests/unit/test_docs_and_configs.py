@@ -1,4 +1,4 @@
-"""The shipped configs validate, and README opens with the two commands."""
+"""The shipped configs (configs/ and the benchmarks') validate, and README opens with the two commands."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from ddp_cli.sweep.space import load_space
 SPACES = sorted((REPO / "configs").rglob("*-space.toml"))  # a sweep's space beside its config
 
 
-@pytest.mark.parametrize("path", sorted(set((REPO / "configs").rglob("*.toml")) - set(SPACES)),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [*sorted(set((REPO / "configs").rglob("*.toml")) - set(SPACES)),
+                                  *sorted((REPO / "benchmarks").glob("*.toml"))], ids=lambda p: p.name)
 def test_shipped_config_is_valid(path):
     cfg = load_config(path)
     assert cfg.model.name in known_models()
